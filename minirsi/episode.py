@@ -84,11 +84,15 @@ class Episode:
         return bool(ran) and all(v == "passed" for v in ran)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+        # "task" leads each line so a JSONL file reads well with `jq .task`; it mirrors task_id.
+        return json.dumps({"task": self.task_id, **dataclasses.asdict(self)}, ensure_ascii=False)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Episode":
         known = {f.name for f in dataclasses.fields(cls)}
+        d = dict(d)
+        if "task_id" not in d and "task" in d:
+            d["task_id"] = d["task"]
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
