@@ -1,0 +1,282 @@
+"""The critic: a value model carried from stage to stage, its loss, and its warm-up.
+
+METHOD.md section 5. The critic is a separate model, an LM backbone (the actor's transformer
+without its LM head) plus a scalar head, that reads the same token sequence as the actor and
+predicts at every position t a baseline V_t of the episode's reward. Only action positions
+matter: TB-GAE (minirsi/tb_gae.py) reads V at action tokens and skips observation tokens.
+
+Value loss (clipped, PPO style; over action tokens only)::
+
+    V_clip_t = V_old_t + clip(V_t - V_old_t, -eps_v, +eps_v)
+    L_V      = sum_t m_t * 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2) / N
+
+with m the action mask, R the TB-GAE returns, V_old the values the returns were computed
+with, eps_v = ``value_clip`` and N the number of action tokens of the minibatch (token mean).
+
+Explained variance, logged at every update (paper: -1.15 at warm-up start, 0.01-0.52 in
+RPR-2)::
+
+    EV = 1 - Var(R - V) / Var(R)        over action tokens
+
+Lifecycle (the "handoff"):
+
+* ``build_critic(actor)`` copies the actor's backbone weights and adds a zero-initialised head,
+  so the first values are exactly 0 (our choice; the paper does not say how the head starts).
+* ``warmup_critic`` is the Warm-up Critic Model: one critic-only epoch over rollouts of the
+  frozen RSR-1 actor, before the first refine phase.
+* ``save_critic`` / ``load_critic`` carry it between stages; RSR stages never load it, so it
+  leaves them bit-identical (``fingerprint`` is the hash a test compares).
+* Each refine phase starts with ``critic_calibration_updates`` critic-only updates; they are
+  run by ``minirsi.rpr.run_rpr`` because they need fresh rollouts.
+
+Call it::
+
+    critic = build_critic(actor)                      # or build_critic("runs/x/rsr1/actor")
+    evs = warmup_critic(critic, episodes, rewards, rpr_cfg)
+    save_critic(critic, "runs/x/critic"); critic = load_critic("runs/x/critic")
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+
+from minirsi.episode import Episode, collate
+
+if TYPE_CHECKING:  # rpr imports this module; the config is only a type hint here
+    from minirsi.rpr import RPRConfig
+
+logger = logging.getLogger(__name__)
+
+CRITIC_FORMAT = "minirsi-critic"
+CRITIC_VERSION = 1
+
+
+class ValueModel(nn.Module):
+    """LM backbone + scalar head: ``V = head(h_t)`` at every position.
+
+    Args:
+        backbone: a transformers base model (e.g. ``Qwen3Model``) whose output has
+            ``last_hidden_state`` of shape (B, T, H).
+        hidden: H, the backbone's hidden size.
+        head_init_std: 0 gives a zero head (every value starts at 0); > 0 draws N(0, std^2).
+    """
+
+    def __init__(self, backbone: PreTrainedModel, hidden: int, head_init_std: float = 0.0):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden, 1)
+        with torch.no_grad():
+            if head_init_std > 0:
+                self.head.weight.normal_(0.0, head_init_std)
+            else:
+                self.head.weight.zero_()
+            self.head.bias.zero_()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids, attention_mask: (B, T) -> values (B, T), float32."""
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+        return self.head(h.to(self.head.weight.dtype)).squeeze(-1).float()  # (B, T)
+
+
+def build_critic(
+    source: PreTrainedModel | PretrainedConfig | str | Path, head_init_std: float = 0.0
+) -> ValueModel:
+    """A new critic whose backbone starts from the actor's.
+
+    ``source`` is the actor itself (a causal LM, possibly a peft LoRA model whose adapters are
+    merged into the copy), a checkpoint directory of the actor, or a config (random backbone,
+    for tests and for a critic trained from scratch). The actor is never modified.
+    """
+    if isinstance(source, PretrainedConfig):
+        backbone = AutoModel.from_config(source)
+    elif isinstance(source, (str, Path)):
+        if not Path(source).is_dir():
+            raise ValueError(f"build_critic: {source} is not a checkpoint directory; pass the actor's saved dir")
+        backbone = AutoModel.from_pretrained(str(source))
+    elif isinstance(source, nn.Module):
+        model = copy.deepcopy(source)
+        if hasattr(model, "merge_and_unload"):  # peft: fold the LoRA deltas into the copy
+            model = model.merge_and_unload()
+        backbone = model.base_model  # e.g. Qwen3ForCausalLM -> its Qwen3Model
+        if backbone is model:
+            raise ValueError(f"build_critic: {type(source).__name__} has no base model to copy")
+    else:
+        raise ValueError(f"build_critic: cannot build from {type(source).__name__}; pass a model, dir or config")
+    backbone.float()
+    return ValueModel(backbone, backbone.config.hidden_size, head_init_std)
+
+
+def save_critic(critic: ValueModel, out_dir: str | Path) -> Path:
+    """Write ``backbone/`` (save_pretrained, safetensors), ``value_head.safetensors`` and
+    ``critic.json``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    critic.backbone.save_pretrained(out / "backbone", safe_serialization=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in critic.head.state_dict().items()},
+              str(out / "value_head.safetensors"))
+    meta = {"format": CRITIC_FORMAT, "version": CRITIC_VERSION,
+            "hidden_size": critic.head.in_features, "fingerprint": fingerprint(critic)}
+    (out / "critic.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def load_critic(path: str | Path) -> ValueModel:
+    """Read a critic written by ``save_critic``; checks its fingerprint."""
+    path = Path(path)
+    meta_path = path / "critic.json"
+    if not meta_path.is_file():
+        raise ValueError(f"load_critic: {meta_path} not found; is {path} a directory written by save_critic?")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != CRITIC_FORMAT or meta.get("version") != CRITIC_VERSION:
+        raise ValueError(f"load_critic: {meta_path} has format {meta.get('format')} v{meta.get('version')}, "
+                         f"expected {CRITIC_FORMAT} v{CRITIC_VERSION}")
+    backbone = AutoModel.from_pretrained(str(path / "backbone"))
+    critic = ValueModel(backbone.float(), int(meta["hidden_size"]))
+    critic.head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+    if "fingerprint" in meta and fingerprint(critic) != meta["fingerprint"]:
+        raise ValueError(f"load_critic: weights in {path} do not match critic.json's fingerprint (corrupt copy?)")
+    return critic
+
+
+def fingerprint(module: nn.Module) -> str:
+    """sha256 over the state dict (names, dtypes, shapes, bytes): equal iff bit-identical."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- the math
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip: float | None,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Clipped value loss L_V (module docstring) over action tokens.
+
+    Args:
+        values: V, (B, T), with grad.
+        old_values: V_old, (B, T), the values the returns were computed with.
+        returns: R, (B, T).
+        action_mask: m, (B, T), 1 on action tokens.
+        clip: eps_v; ``None`` or 0 turns clipping off (plain 0.5 (V - R)^2).
+        normalizer: N; defaults to m.sum(). Gradient accumulation passes the minibatch's
+            token count so that micro-batch losses add up to the minibatch token mean.
+    Returns:
+        scalar loss. Positions with m = 0 never enter it (``torch.where``, not a product, so
+        even a non-finite value there cannot leak in).
+    """
+    mask = action_mask.bool()
+    err = (values - returns) ** 2  # (B, T)
+    if clip:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (v_clip - returns) ** 2)
+    n = mask.sum().clamp(min=1) if normalizer is None else normalizer
+    return 0.5 * torch.where(mask, err, torch.zeros_like(err)).sum() / n
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """EV = 1 - Var(R - V) / Var(R) over positions with mask = 1 (population variances).
+
+    1 is a perfect critic, 0 a constant one, negative worse than a constant. NaN when
+    Var(R) = 0 (no signal to explain: every return equal) or no position is masked in.
+    """
+    m = mask.bool()
+    r, v = returns[m].double(), values[m].double()
+    if r.numel() == 0:
+        return float("nan")
+    var_r = r.var(unbiased=False)
+    if var_r <= 0:
+        return float("nan")
+    return float(1.0 - (r - v).var(unbiased=False) / var_r)
+
+
+# --------------------------------------------------------------------------- training loops
+
+
+def minibatches(
+    n: int, minibatch_size: int, grad_accum: int, generator: torch.Generator
+) -> Iterator[list[torch.Tensor]]:
+    """Shuffle range(n) into minibatches of ``minibatch_size`` (the last may be smaller),
+    each split into up to ``grad_accum`` micro-batches of index tensors."""
+    perm = torch.randperm(n, generator=generator)
+    for start in range(0, n, minibatch_size):
+        mb = perm[start:start + minibatch_size]
+        yield [c for c in torch.chunk(mb, min(grad_accum, len(mb)))]
+
+
+def compute_values(critic: ValueModel, batch: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
+    """V (B, T) without grad, ``chunk`` sequences at a time (bounds memory)."""
+    out = []
+    with torch.no_grad():
+        for s in range(0, batch["input_ids"].shape[0], chunk):
+            out.append(critic(batch["input_ids"][s:s + chunk], batch["attention_mask"][s:s + chunk]))
+    return torch.cat(out)
+
+
+def warmup_critic(
+    critic: ValueModel,
+    episodes: Sequence[Episode],
+    rewards: Sequence[float],
+    cfg: "RPRConfig",
+    optimizer: torch.optim.Optimizer | None = None,
+    pad_id: int = 0,
+) -> list[float]:
+    """Warm-up Critic Model: one critic-only epoch over rollouts of a frozen actor.
+
+    The episodes are shuffled (``cfg.seed``) into minibatches of ``cfg.minibatch_size``; for
+    each, V_old = critic(x), (A, R) = TB-GAE(r, V_old) with ``cfg.gamma_turn`` /
+    ``cfg.lam_turn``, then one optimizer step on L_V (``cfg.value_clip``, gradients accumulated
+    over ``cfg.grad_accum`` micro-batches, clipped to ``cfg.max_grad_norm``). The EV of V_old
+    against R is measured before each step, on sequences the critic has not yet trained on in
+    this epoch, so the list tracks how well the critic generalises as it learns.
+
+    Returns:
+        EV per update, in order.
+    """
+    from minirsi.tb_gae import tb_gae  # the "math" helper's module
+
+    if len(episodes) != len(rewards):
+        raise ValueError(f"warmup_critic: {len(episodes)} episodes but {len(rewards)} rewards")
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.lr_critic, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    critic.train()
+    evs = []
+    for micro in minibatches(len(episodes), cfg.minibatch_size, cfg.grad_accum, gen):
+        parts = []
+        for idx in micro:
+            b = collate([episodes[i] for i in idx], [rewards[i] for i in idx], pad_id=pad_id)
+            b["old_values"] = compute_values(critic, b, chunk=len(idx))
+            _, b["returns"] = tb_gae(b["rewards"], b["old_values"], b["action_mask"], b["turn_ids"],
+                                     cfg.gamma_turn, cfg.lam_turn)
+            parts.append(b)
+        n_tok = sum(b["action_mask"].sum() for b in parts).clamp(min=1)
+        r = torch.cat([b["returns"][b["action_mask"].bool()] for b in parts])  # (N,)
+        v = torch.cat([b["old_values"][b["action_mask"].bool()] for b in parts])  # (N,)
+        evs.append(explained_variance(r, v, torch.ones_like(r)))
+        optimizer.zero_grad(set_to_none=True)
+        for b in parts:
+            v = critic(b["input_ids"], b["attention_mask"])
+            value_loss(v, b["old_values"], b["returns"], b["action_mask"], cfg.value_clip, n_tok).backward()
+        torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        logger.info("critic warm-up update %d: EV %.3f", len(evs), evs[-1])
+    return evs

@@ -1,0 +1,489 @@
+"""Recursive Policy-Refine (RPR): PPO on the shell agent with TB-GAE and an inherited critic.
+
+METHOD.md section 6. One RPR step is::
+
+    episodes = rollout(actor, tasks)                      # minirsi.rollout.collect, behind a callable
+    r        = FDR or SPR of each episode                 # on its last action token (episode.collate)
+    V_old    = critic(x);  logp_old = log pi_theta(x)     # no grad, before any update
+    A, R     = TB-GAE(r, V_old, action_mask, turn_ids, gamma_turn, lam_turn)
+    A        = (A - mean(A)) / std(A)                     # whitened over the batch's action tokens
+    ppo_epochs x minibatches (x grad_accum micro-batches):
+        L = L_clip + c_v L_V + beta KL(pi_theta || pi_ref) - c_H H
+
+with, over action tokens t only (m_t = 1), each a token mean over the minibatch (N tokens)::
+
+    rho_t   = exp(log pi_theta(a_t) - logp_old_t)
+    L_clip  = -sum_t m_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) / N
+    L_V     = clipped value loss, minirsi.critic.value_loss
+    KL      = sum_t m_t k3_t / N,  k3_t = exp(d_t) - d_t - 1,  d_t = log pi_ref(a_t) - log pi_theta(a_t)
+    H       = sum_t m_t H(pi_theta(. | x_<t)) / N
+
+Choices the paper leaves open, ours:
+
+* Token mean over the minibatch (not a per-sequence mean): every action token weighs the
+  same, so long episodes are not down-weighted. Gradient accumulation divides every
+  micro-batch by the minibatch's N, so accumulating equals one big minibatch exactly.
+* logp_old is recomputed by the training model at the start of the step (as veRL does), not
+  the sampler's log-probs: the sampler may differ numerically (another kernel, vLLM). The gap
+  is logged, ``logprob_gap = mean_t |logp_train - logp_sample|`` (paper: 4.66e-3 to 4.98e-3).
+* KL uses the k3 estimator (unbiased for KL(pi_theta || pi_ref), always >= 0); off by default
+  (beta = 0). The reference is the LoRA-disabled actor when the actor is a peft model,
+  otherwise a frozen copy of the actor taken when the stage starts.
+* Advantages are whitened over the action tokens of the whole step's batch.
+* Calibration: the first ``critic_calibration_updates`` steps of a phase update the critic only
+  (each on fresh rollouts of the frozen actor, as veRL's ``critic_warmup``); ``steps`` joint
+  steps follow, so a phase runs calibration + steps rollouts.
+
+Metrics logged per update (one dict per step; formulas above): ``reward`` (the trained-on
+reward), ``dense_reward`` (mean FDR), ``binary_reward`` (mean S), ``turns``, ``kl_ref``,
+``approx_kl`` (k3 of pi_theta against logp_old, measured on each minibatch before its step),
+``clip_frac`` (share of action tokens with |rho - 1| > eps), ``explained_variance`` (of V_old
+against R, minirsi.critic), ``entropy``, ``logprob_gap``, losses, action tokens, seconds in
+rollout and in update.
+
+Call it::
+
+    history = run_rpr(actor, critic, tokenizer, tasks, RPRConfig(), rollout_fn, scales)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from minirsi.critic import ValueModel, compute_values, explained_variance, minibatches, value_loss
+from minirsi.episode import Episode, collate
+
+logger = logging.getLogger(__name__)
+
+RolloutFn = Callable[[nn.Module, Sequence[Any], int], list[Episode]]
+"""``rollout_fn(actor, tasks, seed) -> episodes``: one episode per task entry (tasks may
+repeat). ``make_rollout_fn`` builds the default (HFSampler + rollout.collect); a vLLM-backed
+sampler slots in by passing another callable."""
+
+
+@dataclass
+class RPRConfig:
+    """One Recursive Policy-Refine stage (PPO with TB-GAE and an inherited critic)."""
+
+    gamma_turn: float = 1.0
+    """gamma_turn: TB-GAE discount applied once per turn boundary (not per token)."""
+    lam_turn: float = 0.95
+    """lambda_turn: TB-GAE trace decay applied once per turn boundary."""
+    clip_eps: float = 0.2
+    """epsilon: PPO ratio clip, rho in [1 - eps, 1 + eps]."""
+    value_clip: float = 0.2
+    """epsilon_v: value clip around V_old; 0 turns value clipping off."""
+    value_coef: float = 1.0
+    """c_v: weight of L_V in the joint loss (actor and critic have separate optimizers, so it
+    only rescales the critic's gradient)."""
+    kl_coef: float = 0.0
+    """beta: weight of KL(pi_theta || pi_ref) (k3 estimator); 0 = no reference policy."""
+    entropy_coef: float = 0.0
+    """c_H: entropy bonus weight; entropy is always logged."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    minibatch_size: int = 8
+    """Episodes per optimizer step."""
+    grad_accum: int = 1
+    """Micro-batches per minibatch (gradient accumulation, bounds memory)."""
+    lr_actor: float = 1e-5
+    """Actor learning rate for this stage (AdamW)."""
+    lr_critic: float = 1e-5
+    """Critic learning rate for this stage (AdamW)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip, per model."""
+    episodes_per_step: int = 16
+    """Rollouts per RPR step (tasks are cycled in a seeded shuffled order, repeating as needed)."""
+    steps: int = 20
+    """Joint (actor + critic) PPO steps, after the calibration updates."""
+    critic_calibration_updates: int = 4
+    """Critic-only steps that open the phase (paper: 4), on fresh rollouts of the frozen actor."""
+    reward: str = "spr"
+    """Training reward: "fdr" (P / D_f) or "spr" (S + P / (P + D'_f)); METHOD.md section 2."""
+    whiten_advantages: bool = True
+    """Normalise A to zero mean, unit variance over the batch's action tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; training log-probs use logits / temperature to match it."""
+    forward_chunk: int = 8
+    """Sequences per no-grad forward pass (old log-probs, values, reference)."""
+    seed: int = 0
+    """Seeds task order, minibatch shuffles and rollouts."""
+
+    def __post_init__(self) -> None:
+        for name in ("gamma_turn", "lam_turn"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be in [0, 1]")
+        if not 0.0 < self.clip_eps < 1.0:
+            raise ValueError(f"RPRConfig.clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2")
+        for name in ("value_clip", "value_coef", "kl_coef", "entropy_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be >= 0")
+        for name in ("ppo_epochs", "minibatch_size", "grad_accum", "episodes_per_step", "forward_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be >= 1")
+        if self.grad_accum > self.minibatch_size:
+            raise ValueError(f"RPRConfig.grad_accum={self.grad_accum} > minibatch_size={self.minibatch_size}: "
+                             "a micro-batch needs at least one episode; lower grad_accum")
+        for name in ("steps", "critic_calibration_updates"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be >= 0")
+        for name in ("lr_actor", "lr_critic", "max_grad_norm", "temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be > 0")
+        if self.reward not in ("fdr", "spr"):
+            raise ValueError(f"RPRConfig.reward={self.reward!r}: use 'fdr' or 'spr'")
+
+
+class Optimizers(NamedTuple):
+    actor: torch.optim.Optimizer
+    critic: torch.optim.Optimizer
+
+
+def make_optimizers(actor: nn.Module, critic: ValueModel, cfg: RPRConfig) -> Optimizers:
+    """AdamW per model with the stage's own learning rates."""
+    params = [p for p in actor.parameters() if p.requires_grad]  # LoRA: only the adapters
+    return Optimizers(torch.optim.AdamW(params, lr=cfg.lr_actor, weight_decay=0.0),
+                      torch.optim.AdamW(critic.parameters(), lr=cfg.lr_critic, weight_decay=0.0))
+
+
+# --------------------------------------------------------------------------- pure losses
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+    """sum_t m_t x_t / N (N = m.sum() unless given); positions with m = 0 are never read."""
+    m = mask.bool()
+    n = m.sum().clamp(min=1) if normalizer is None else normalizer
+    return torch.where(m, x, torch.zeros_like(x)).sum() / n
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    clip_eps: float,
+    normalizer: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate L_clip (module docstring), token mean over action tokens.
+
+    Args:
+        logprobs: log pi_theta(a_t), (B, T), with grad.
+        old_logprobs: logp_old, (B, T).
+        advantages: A, (B, T).
+        action_mask: m, (B, T).
+        clip_eps: eps.
+        normalizer: N (see ``critic.value_loss``).
+    Returns:
+        (loss, clip_frac): clip_frac = share of action tokens with |rho - 1| > eps (no grad).
+    """
+    m = action_mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs))  # (B, T), 0 off-action
+    ratio = torch.exp(log_ratio)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    loss = -masked_mean(surrogate, m, normalizer)
+    clip_frac = masked_mean(((ratio - 1).abs() > clip_eps).float(), m).detach()
+    return loss, clip_frac
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """k3 estimate of KL(pi_theta || pi_ref), token mean over action tokens.
+
+    k3_t = exp(d_t) - d_t - 1 with d_t = log pi_ref(a_t) - log pi_theta(a_t), a_t ~ pi_theta:
+    unbiased (E[exp(d)] = 1), never negative, lower variance than k1 = -d (Schulman, "Approximating
+    KL divergence", 2020). logprobs and ref_logprobs: (B, T).
+    """
+    m = action_mask.bool()
+    d = torch.where(m, ref_logprobs - logprobs, torch.zeros_like(logprobs))  # (B, T)
+    return masked_mean(torch.exp(d) - d - 1, m, normalizer)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H(pi(. | x_<t)) = -sum_v p_v log p_v, (B, T, V) -> (B, T)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def whiten(advantages: torch.Tensor, action_mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(A - mean) / (std + eps) over action tokens; non-action positions stay 0. (B, T)."""
+    m = action_mask.bool()
+    a = advantages[m]
+    if a.numel() < 2:
+        return torch.where(m, advantages - (a.mean() if a.numel() else 0.0), torch.zeros_like(advantages))
+    out = (advantages - a.mean()) / (a.std(unbiased=False) + eps)
+    return torch.where(m, out, torch.zeros_like(out))
+
+
+def policy_forward(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs log pi(x_t | x_<t) at ``temperature``, and optionally entropies.
+
+    input_ids, attention_mask: (B, T). Returns (logprobs (B, T), entropy (B, T) or None);
+    position t scores token t given the tokens before it; position 0 has no context and is 0
+    (it is never an action: every sequence starts with the prompt).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (B, T-1, V)
+    logits = logits.float() / temperature
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    zeros = lp.new_zeros(lp.shape[0], 1)
+    logprobs = torch.cat([zeros, lp], dim=1)  # (B, T)
+    if not with_entropy:
+        return logprobs, None
+    return logprobs, torch.cat([zeros, entropy_from_logits(logits)], dim=1)
+
+
+def _nograd_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], cfg: RPRConfig,
+                     ctx: Callable[[], Any] = nullcontext) -> torch.Tensor:
+    out = []
+    with torch.no_grad(), ctx():
+        for s in range(0, batch["input_ids"].shape[0], cfg.forward_chunk):
+            sl = slice(s, s + cfg.forward_chunk)
+            out.append(policy_forward(model, batch["input_ids"][sl], batch["attention_mask"][sl], cfg.temperature)[0])
+    return torch.cat(out)
+
+
+def _reference(actor: nn.Module, ref_model: nn.Module | None) -> tuple[nn.Module, Callable[[], Any]]:
+    """The KL reference: an explicit model, else the actor with its LoRA adapters disabled."""
+    if ref_model is not None:
+        return ref_model, nullcontext
+    if hasattr(actor, "disable_adapter"):
+        return actor, actor.disable_adapter
+    raise ValueError("kl_coef > 0 needs a reference: pass ref_model (a frozen copy) or use a LoRA actor")
+
+
+# --------------------------------------------------------------------------- one PPO step
+
+
+def prepare_batch(
+    actor: nn.Module,
+    critic: ValueModel,
+    episodes: Sequence[Episode],
+    rewards: Sequence[float],
+    cfg: RPRConfig,
+    pad_id: int = 0,
+    ref_model: nn.Module | None = None,
+) -> dict[str, torch.Tensor]:
+    """Collate episodes and add everything PPO needs, computed once before any update.
+
+    Adds to ``episode.collate``'s tensors (all (B, T)): ``sampler_logprobs`` (the sampler's),
+    ``old_logprobs`` (recomputed by ``actor``), ``old_values`` (V_old), ``advantages`` (TB-GAE,
+    whitened if ``cfg.whiten_advantages``), ``returns`` (R = A + V_old, before whitening) and,
+    when ``cfg.kl_coef > 0``, ``ref_logprobs``.
+    """
+    from minirsi.tb_gae import tb_gae  # the "math" helper's module
+
+    batch = collate(episodes, rewards, pad_id=pad_id)
+    batch["sampler_logprobs"] = batch.pop("old_logprobs")
+    was_training = actor.training
+    actor.eval()  # no dropout in the "old policy"; restored below
+    batch["old_logprobs"] = _nograd_logprobs(actor, batch, cfg)
+    if cfg.kl_coef > 0:
+        model, ctx = _reference(actor, ref_model)
+        batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx)
+    actor.train(was_training)
+    batch["old_values"] = compute_values(critic, batch, cfg.forward_chunk)
+    advantages, returns = tb_gae(batch["rewards"], batch["old_values"], batch["action_mask"],
+                                 batch["turn_ids"], cfg.gamma_turn, cfg.lam_turn)
+    batch["returns"] = returns
+    batch["advantages"] = whiten(advantages, batch["action_mask"]) if cfg.whiten_advantages else advantages
+    return batch
+
+
+def ppo_update(
+    actor: nn.Module,
+    critic: ValueModel,
+    batch: dict[str, torch.Tensor],
+    cfg: RPRConfig,
+    optimizers: Optimizers,
+    ref_model: nn.Module | None = None,
+    update_actor: bool = True,
+) -> dict[str, float]:
+    """``cfg.ppo_epochs`` passes over ``batch`` (from ``prepare_batch``) in minibatches of
+    ``cfg.minibatch_size`` episodes, each accumulated over ``cfg.grad_accum`` micro-batches.
+
+    ``update_actor=False`` is a critic calibration update: the actor is only read (for the
+    metrics) and its optimizer never steps. ``ref_model`` is used only when the batch has no
+    ``ref_logprobs`` yet. Returns metrics averaged over all action tokens seen.
+    """
+    mask_all = batch["action_mask"]
+    if cfg.kl_coef > 0 and "ref_logprobs" not in batch:
+        model, ctx = _reference(actor, ref_model)
+        batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx)
+    sums: dict[str, float] = {k: 0.0 for k in ("policy_loss", "value_loss", "clip_frac", "entropy",
+                                               "approx_kl", "kl_ref")}
+    seen = 0.0
+    gen = torch.Generator().manual_seed(cfg.seed)
+    actor.train()
+    critic.train()
+    for _ in range(cfg.ppo_epochs):
+        for micro in minibatches(mask_all.shape[0], cfg.minibatch_size, cfg.grad_accum, gen):
+            n_tok = sum(mask_all[idx].sum() for idx in micro).clamp(min=1)  # N of this minibatch
+            optimizers.actor.zero_grad(set_to_none=True)
+            optimizers.critic.zero_grad(set_to_none=True)
+            for idx in micro:
+                mb = {k: v[idx] for k, v in batch.items()}
+                m = mb["action_mask"]
+                with (nullcontext() if update_actor else torch.no_grad()):
+                    logprobs, entropy = policy_forward(actor, mb["input_ids"], mb["attention_mask"],
+                                                       cfg.temperature, with_entropy=True)
+                    l_clip, clip_frac = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], m,
+                                                    cfg.clip_eps, n_tok)
+                    l_h = masked_mean(entropy, m, n_tok)
+                    l_kl = kl_penalty(logprobs, mb["ref_logprobs"], m, n_tok) if cfg.kl_coef > 0 else l_clip * 0
+                    l_actor = l_clip + cfg.kl_coef * l_kl - cfg.entropy_coef * l_h
+                values = critic(mb["input_ids"], mb["attention_mask"])  # (b, T)
+                l_v = value_loss(values, mb["old_values"], mb["returns"], m, cfg.value_clip, n_tok)
+                total = cfg.value_coef * l_v + (l_actor if update_actor else 0.0)
+                total.backward()
+                w = float(m.sum())
+                sums["policy_loss"] += float(l_clip.detach()) * float(n_tok)
+                sums["value_loss"] += float(l_v.detach()) * float(n_tok)
+                sums["entropy"] += float(l_h.detach()) * float(n_tok)
+                sums["kl_ref"] += float(l_kl.detach()) * float(n_tok)
+                sums["clip_frac"] += float(clip_frac) * w
+                sums["approx_kl"] += float(kl_penalty(logprobs.detach(), mb["old_logprobs"], m)) * w
+                seen += w
+            if update_actor:
+                torch.nn.utils.clip_grad_norm_([p for p in actor.parameters() if p.requires_grad], cfg.max_grad_norm)
+                optimizers.actor.step()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+            optimizers.critic.step()
+    metrics = {k: v / max(seen, 1.0) for k, v in sums.items()}
+    metrics["explained_variance"] = explained_variance(batch["returns"], batch["old_values"], mask_all)
+    metrics["action_tokens"] = float(mask_all.sum())
+    return metrics
+
+
+def logprob_gap(batch: dict[str, torch.Tensor]) -> float:
+    """mean over action tokens of |logp_train - logp_sample| (old_logprobs vs sampler_logprobs)."""
+    m = batch["action_mask"]
+    return float(masked_mean((batch["old_logprobs"] - batch["sampler_logprobs"]).abs(), m))
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def score(episodes: Sequence[Episode], kind: str, scales: dict[str, float],
+          scales_prime: dict[str, float] | None = None) -> list[float]:
+    """FDR or SPR of each episode (minirsi.fdr / minirsi.spr)."""
+    from minirsi.fdr import family_dense_reward
+    from minirsi.spr import success_prioritized_reward
+
+    if kind == "fdr":
+        return [float(family_dense_reward(e.passed, e.family, scales)) for e in episodes]
+    if kind == "spr":
+        return [float(success_prioritized_reward(e.success, e.passed, e.family, scales, scales_prime))
+                for e in episodes]
+    raise ValueError(f"score: reward kind {kind!r}; use 'fdr' or 'spr'")
+
+
+def task_stream(tasks: Sequence[Any], n: int, seed: int) -> Iterator[list[Any]]:
+    """Endless lists of ``n`` tasks: a seeded shuffle of ``tasks``, reshuffled when used up."""
+    if not tasks:
+        raise ValueError("RPR needs at least one training task")
+    rng = random.Random(seed)
+    pool: list[Any] = []
+    while True:
+        out = []
+        while len(out) < n:
+            if not pool:
+                pool = list(tasks)
+                rng.shuffle(pool)
+            out.append(pool.pop())
+        yield out
+
+
+def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[..., Any] | None = None) -> RolloutFn:
+    """The default rollout: an ``HFSampler`` on the current actor, then ``rollout.collect``.
+
+    ``rollout_cfg`` is the rollout helper's config (turn limit, max tokens, backend...); its
+    ``seed`` is replaced per call. ``sampler_factory(actor, tokenizer)`` builds the sampler.
+    """
+    import dataclasses
+
+    from minirsi import rollout
+    from minirsi.sampler import HFSampler
+
+    factory = sampler_factory or (lambda model, tok: HFSampler(model, tok))
+
+    def rollout_fn(actor: nn.Module, tasks: Sequence[Any], seed: int) -> list[Episode]:
+        cfg = dataclasses.replace(rollout_cfg, seed=seed) if hasattr(rollout_cfg, "seed") else rollout_cfg
+        was_training = actor.training
+        actor.eval()
+        try:
+            return rollout.collect(list(tasks), factory(actor, tokenizer), tokenizer, cfg)
+        finally:
+            actor.train(was_training)
+
+    return rollout_fn
+
+
+def run_rpr(
+    actor: nn.Module,
+    critic: ValueModel,
+    tokenizer: Any,
+    train_tasks: Sequence[Any],
+    cfg: RPRConfig,
+    rollout_fn: RolloutFn,
+    scales: dict[str, float],
+    log_fn: Callable[[dict[str, Any]], None] | None = None,
+    ref_model: nn.Module | None = None,
+    scales_prime: dict[str, float] | None = None,
+) -> list[dict[str, Any]]:
+    """One RPR phase: ``cfg.critic_calibration_updates`` critic-only steps, then ``cfg.steps``
+    joint PPO steps. Updates ``actor`` and ``critic`` in place; returns one metrics dict per
+    step (``phase`` = "calibrate" | "joint"), each also passed to ``log_fn``."""
+    torch.manual_seed(cfg.seed)
+    pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
+    if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
+        ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref = the actor as the stage starts
+    optimizers = make_optimizers(actor, critic, cfg)
+    stream = task_stream(train_tasks, cfg.episodes_per_step, cfg.seed)
+    history: list[dict[str, Any]] = []
+    n_calib = cfg.critic_calibration_updates
+    for step in range(n_calib + cfg.steps):
+        phase = "calibrate" if step < n_calib else "joint"
+        t0 = time.perf_counter()
+        episodes = rollout_fn(actor, next(stream), cfg.seed * 100_003 + step)
+        t1 = time.perf_counter()
+        usable = [e for e in episodes if any(e.action_mask)]  # a sandbox that died before any action
+        if not usable:
+            raise RuntimeError(f"RPR step {step}: no episode has an action token; check the sampler/sandbox")
+        rewards = score(usable, cfg.reward, scales, scales_prime)
+        fdr = score(usable, "fdr", scales)
+        batch = prepare_batch(actor, critic, usable, rewards, cfg, pad_id, ref_model)
+        metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model, update_actor=phase == "joint")
+        t2 = time.perf_counter()
+        record: dict[str, Any] = {
+            "step": step, "phase": phase,
+            "reward": sum(rewards) / len(rewards),
+            "dense_reward": sum(fdr) / len(fdr),
+            "binary_reward": sum(e.success for e in usable) / len(usable),
+            "turns": sum(e.turns for e in usable) / len(usable),
+            "logprob_gap": logprob_gap(batch),
+            "episodes": len(usable), "dropped_episodes": len(episodes) - len(usable),
+            **metrics,
+            "rollout_s": t1 - t0, "update_s": t2 - t1,
+        }
+        history.append(record)
+        logger.info("RPR %s step %d: reward %.3f S %.3f EV %.3f KL %.4f clip %.3f gap %.2e", phase, step,
+                    record["reward"], record["binary_reward"], record["explained_variance"],
+                    record["approx_kl"], record["clip_frac"], record["logprob_gap"])
+        if log_fn is not None:
+            log_fn(record)
+    return history

@@ -1,0 +1,263 @@
+"""RPR: the PPO losses (hand-worked cases, masking properties), one PPO update on a tiny random
+Qwen3, the config, and (slow) an RPR phase on a toy task that raises mean reward."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from minirsi.config import ConfigError, load_config
+from minirsi.critic import build_critic, fingerprint
+from minirsi.episode import Episode, collate
+from minirsi.rpr import (
+    RPRConfig,
+    kl_penalty,
+    make_optimizers,
+    policy_forward,
+    policy_loss,
+    ppo_update,
+    whiten,
+)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+VOCAB = 300
+
+
+def tiny_qwen(seed: int = 0) -> Qwen3ForCausalLM:
+    """A random Qwen3 small enough for a unit test (~60k parameters)."""
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg)
+
+
+def synthetic_episode(rng: random.Random, n_turns: int) -> Episode:
+    """prompt (5 tokens), then per turn an action (3-6 tokens) and, except after the last, an
+    observation (2-8 tokens); turn_ids follow episode.py; log-probs are made-up sampler values."""
+    ids, mask, turns, lps = [rng.randrange(1, VOCAB) for _ in range(5)], [0] * 5, [0] * 5, [None] * 5
+    for k in range(n_turns):
+        n = rng.randint(3, 6)
+        ids += [rng.randrange(1, VOCAB) for _ in range(n)]
+        mask += [1] * n
+        turns += [k] * n
+        lps += [-rng.random() * 3 for _ in range(n)]
+        if k < n_turns - 1:
+            n = rng.randint(2, 8)
+            ids += [rng.randrange(1, VOCAB) for _ in range(n)]
+            mask += [0] * n
+            turns += [k + 1] * n
+            lps += [None] * n
+    return Episode(task_id="t", family="f", difficulty="easy", token_ids=ids, logprobs=lps,
+                   action_mask=mask, turn_ids=turns, turns=n_turns, success=False, passed=0, total=1)
+
+
+def synthetic_batch(n: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A collated batch with made-up advantages / returns / old values / old log-probs."""
+    rng = random.Random(seed)
+    eps = [synthetic_episode(rng, rng.randint(1, 3)) for _ in range(n)]
+    b = collate(eps, [rng.random() for _ in eps])
+    g = torch.Generator().manual_seed(seed)
+    m = b["action_mask"]
+    b["sampler_logprobs"] = b["old_logprobs"]
+    b["old_logprobs"] = b["old_logprobs"] * m
+    b["advantages"] = torch.randn(m.shape, generator=g) * m
+    b["returns"] = torch.randn(m.shape, generator=g) * m
+    b["old_values"] = torch.zeros(m.shape)
+    return b
+
+
+# ----------------------------------------------------------------------------- pure losses
+
+
+def test_policy_loss_hand_worked():
+    # Two action tokens (eps = 0.2):
+    #   t0: rho = e^{log 1.5} = 1.5, A = +1 -> min(1.5, 1.2) = 1.2      (clipped)
+    #   t1: rho = e^{log 0.5} = 0.5, A = +2 -> min(1.0, 1.6) = 1.0      (|rho-1| > eps, counted as clipped)
+    #   t2: observation token, anything there is ignored
+    # L = -(1.2 + 1.0) / 2 = -1.1 ; clip_frac = 2 / 2 = 1
+    lp = torch.tensor([[math.log(1.5), math.log(0.5), 100.0]])
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, 2.0, 1e6]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, cf = policy_loss(lp, old, adv, mask, 0.2)
+    assert loss.item() == pytest.approx(-1.1)
+    assert cf.item() == pytest.approx(1.0)
+    # Negative advantage, rho = 0.5: min(0.5 * -1, 0.8 * -1) = -0.8 -> L = 0.8
+    loss, cf = policy_loss(torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), 0.2)
+    assert loss.item() == pytest.approx(0.8)
+
+
+def test_policy_loss_gradient_only_on_unclipped_action_tokens():
+    lp = torch.tensor([[0.0, math.log(2.0), 0.0, 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    loss, _ = policy_loss(lp, torch.zeros(1, 4), adv, mask, 0.2)
+    loss.backward()
+    # t0, t3: rho = 1, d(-rho A / 3)/dlp = -1/3; t1 clipped (rho = 2 > 1.2, A > 0): 0; t2 masked: 0
+    assert lp.grad[0].tolist() == pytest.approx([-1 / 3, 0.0, 0.0, -1 / 3])
+
+
+def test_kl_penalty_k3():
+    # d = log pi_ref - log pi = log 2 -> k3 = 2 - log 2 - 1 ; masked token ignored
+    lp = torch.tensor([[0.0, 5.0]])
+    ref = torch.tensor([[math.log(2.0), -50.0]])
+    assert kl_penalty(lp, ref, torch.tensor([[1.0, 0.0]])).item() == pytest.approx(1 - math.log(2.0))
+    assert kl_penalty(lp, lp, torch.ones(1, 2)).item() == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_losses_ignore_non_action_positions(seed):
+    """Perturbing log-probs, advantages, values or returns off the action mask (observation
+    and padding) never changes the policy, KL or value loss."""
+    from minirsi.critic import value_loss
+
+    g = torch.Generator().manual_seed(seed)
+    B, T = 3, 12
+    mask = (torch.rand(B, T, generator=g) < 0.5).float()
+    mask[0, 0] = 1.0
+    x = {k: torch.randn(B, T, generator=g) for k in ("lp", "old", "adv", "ref", "v", "vold", "r")}
+    noisy = {k: torch.where(mask.bool(), v, v + 1e3 * torch.randn(B, T, generator=g)) for k, v in x.items()}
+
+    def losses(d):
+        return (policy_loss(d["lp"], d["old"], d["adv"], mask, 0.2)[0],
+                kl_penalty(d["lp"], d["ref"], mask),
+                value_loss(d["v"], d["vold"], d["r"], mask, 0.2))
+
+    for a, b in zip(losses(x), losses(noisy)):
+        assert torch.equal(a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000))
+def test_whiten_over_action_tokens(seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(4, 9, generator=g) < 0.6).float()
+    mask[0, :2] = 1.0
+    a = whiten(torch.randn(4, 9, generator=g) * 5 + 3, mask)
+    sel = a[mask.bool()]
+    assert abs(sel.mean().item()) < 1e-5
+    assert sel.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-4)
+    assert torch.all(a[~mask.bool()] == 0)
+
+
+def test_policy_forward_matches_models_token_logprobs():
+    from minirsi.models import token_logprobs
+
+    model = tiny_qwen()
+    b = synthetic_batch()
+    ours, ent = policy_forward(model, b["input_ids"], b["attention_mask"], 0.7, with_entropy=True)
+    theirs = token_logprobs(model, b["input_ids"], b["attention_mask"], temperature=0.7)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert ent.shape == ours.shape and torch.all(ent >= 0) and ent[0, 1] <= math.log(VOCAB) + 1e-4
+
+
+# ----------------------------------------------------------------------------- one PPO update
+
+
+def _cfg(**kw) -> RPRConfig:
+    base = dict(minibatch_size=3, grad_accum=1, ppo_epochs=1, lr_actor=1e-3, lr_critic=1e-3, seed=0)
+    base.update(kw)
+    return RPRConfig(**base)
+
+
+def test_ppo_update_changes_actor_and_critic():
+    actor = tiny_qwen()
+    critic = build_critic(actor)
+    cfg = _cfg()
+    a0, c0 = fingerprint(actor), fingerprint(critic)
+    m = ppo_update(actor, critic, synthetic_batch(), cfg, make_optimizers(actor, critic, cfg))
+    assert fingerprint(actor) != a0 and fingerprint(critic) != c0
+    for key in ("policy_loss", "value_loss", "clip_frac", "entropy", "approx_kl", "explained_variance"):
+        assert key in m and (math.isfinite(m[key]) or key == "explained_variance")
+    assert m["entropy"] > 0
+
+
+def test_calibration_update_leaves_actor_bit_identical():
+    actor = tiny_qwen()
+    critic = build_critic(actor)
+    cfg = _cfg()
+    a0, c0 = fingerprint(actor), fingerprint(critic)
+    ppo_update(actor, critic, synthetic_batch(), cfg, make_optimizers(actor, critic, cfg), update_actor=False)
+    assert fingerprint(actor) == a0
+    assert fingerprint(critic) != c0
+
+
+def test_grad_accumulation_equals_one_big_minibatch():
+    """grad_accum splits a minibatch but divides by the minibatch's token count, so the
+    parameters after one step match the unsplit step (up to float rounding)."""
+    batch = synthetic_batch(n=4, seed=3)
+    outs = []
+    for accum in (1, 2):
+        actor = tiny_qwen()
+        critic = build_critic(actor, head_init_std=0.02)
+        cfg = _cfg(minibatch_size=4, grad_accum=accum, max_grad_norm=1e9)
+        opts = make_optimizers(actor, critic, cfg)
+        # SGD makes the step proportional to the gradient (AdamW's first step is sign-like)
+        opts = type(opts)(torch.optim.SGD(actor.parameters(), lr=1.0), torch.optim.SGD(critic.parameters(), lr=1.0))
+        ppo_update(actor, critic, batch, cfg, opts)
+        outs.append((actor.state_dict(), critic.state_dict()))
+    for sd1, sd2 in zip(outs[0], outs[1]):
+        for k in sd1:
+            assert torch.allclose(sd1[k], sd2[k], atol=1e-5), k
+
+
+def test_padding_tokens_never_reach_the_losses():
+    """Right padding: changing the pad ids after each sequence's end leaves every metric of
+    the update identical (the causal model never attends forward, losses mask padding)."""
+    batch = synthetic_batch(n=5, seed=1)
+    pad = batch["attention_mask"] == 0
+    assert pad.any()
+    batch2 = {k: v.clone() for k, v in batch.items()}
+    batch2["input_ids"][pad] = torch.randint(1, VOCAB, (int(pad.sum()),))
+    res = []
+    for b in (batch, batch2):
+        actor = tiny_qwen()
+        critic = build_critic(actor, head_init_std=0.02)
+        cfg = _cfg(minibatch_size=5)
+        res.append(ppo_update(actor, critic, b, cfg, make_optimizers(actor, critic, cfg)))
+    for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac"):
+        assert res[0][k] == pytest.approx(res[1][k], abs=1e-6), k
+
+
+def test_kl_to_reference_is_zero_at_start_and_grows():
+    actor = tiny_qwen()
+    ref = copy.deepcopy(actor).requires_grad_(False)
+    critic = build_critic(actor)
+    cfg = _cfg(kl_coef=0.1, ppo_epochs=3, lr_actor=3e-3)
+    batch = synthetic_batch()
+    m = ppo_update(actor, critic, batch, cfg, make_optimizers(actor, critic, cfg), ref_model=ref)
+    assert "ref_logprobs" in batch
+    assert m["kl_ref"] > 0  # epochs 2 and 3 see a moved policy
+    with pytest.raises(ValueError, match="reference"):
+        ppo_update(tiny_qwen(), critic, synthetic_batch(), cfg, make_optimizers(actor, critic, cfg))
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_rejects_bad_values_with_fix(tmp_path):
+    with pytest.raises(ValueError, match="clip_eps"):
+        RPRConfig(clip_eps=1.5)
+    with pytest.raises(ValueError, match="lower grad_accum"):
+        RPRConfig(minibatch_size=2, grad_accum=4)
+    with pytest.raises(ValueError, match="'fdr' or 'spr'"):
+        RPRConfig(reward="dense")
+    p = tmp_path / "rpr.yaml"
+    p.write_text("lr_actor: 2.0e-5\nreward: fdr\n")
+    cfg = load_config(RPRConfig, p, ["ppo_epochs=3"])
+    assert (cfg.lr_actor, cfg.reward, cfg.ppo_epochs, cfg.critic_calibration_updates) == (2e-5, "fdr", 3, 4)
+    with pytest.raises(ConfigError):
+        load_config(RPRConfig, p, ["lam=0.9"])
+    with pytest.raises(ConfigError, match="gamma_turn"):
+        load_config(RPRConfig, p, ["gamma_turn=1.5"])
