@@ -85,7 +85,7 @@ def test_batches_cover_every_index_once():
 
 
 def test_pretrain_lowers_loss_and_saves_loadable_model(tmp_path):
-    cfg = PretrainConfig(sessions=60, val_sessions=8, minutes=0.5, max_steps=40, batch_size=8,
+    cfg = PretrainConfig(sessions=60, val_sessions=8, minutes=5, max_steps=40, batch_size=8,
                          vocab_size=400, warmup_steps=5, log_every=5, lr=3e-3)
     m = pretrain(cfg, tmp_path / "base", sessions=hand_sessions(60, 0), val=hand_sessions(8, 1), progress_bar=False)
     assert m["steps"] == 40
