@@ -1,0 +1,399 @@
+"""The local sandbox backend: bubblewrap over a read-only Debian rootfs.
+
+The jail of one episode::
+
+    /              a tmpfs; every top-level entry of $MINIRSI_ROOTFS bound read-only into it
+    /proc /dev     fresh (new pid namespace: the agent sees only its own processes)
+    /tmp           a fresh tmpfs (tmp_size_mb)
+    <workdir>      read-write: a fresh host copy of environment/ (minus Dockerfile and setup)
+    /etc/passwd    the rootfs's, plus `agent` (uid 1000, HOME=/tmp)
+
+namespaces: user (uid/gid 1000 inside), pid, net (no interface but a down loopback: offline),
+ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and ``solution/`` are never
+mounted while the agent acts.
+
+Limits, and why they hold. When minirsi runs as root (as in CI), a user namespace would map the
+sandbox's uid to host root, and the kernel exempts root from RLIMIT_NPROC, so a fork bomb would
+be unbounded. So each sandbox leases a *unique unprivileged host uid* (200000 + k, held by a
+lock file) and runs bwrap as that uid (``setpriv``): RLIMIT_NPROC (``pids``) then counts only
+this sandbox's processes, and the uid also finds every one of them for the final sweep. The
+rootfs may sit under /root (mode 0700), which that uid cannot traverse, so the launch first
+enters a private mount namespace (``unshare -m``) and binds the rootfs at a world-readable
+mount point there; the host's mounts are untouched. Memory is RLIMIT_AS per process
+(``memory_mb``; a departure from a cgroup limit on the whole jail, which needs a writable cgroup
+v2 tree), file size is RLIMIT_FSIZE, time is the per-command timeout.
+Run as a normal user instead, bwrap maps that user's uid and RLIMIT_NPROC counts all of the
+user's processes: the limit is set to (the user's current process count + pids).
+
+Call through ``minirsi.sandbox.open_sandbox(task, backend="bwrap", **limits)``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from minirsi.sandbox import SandboxError, TestRun
+from minirsi.sandbox.shell import DRIVER, OutputCap, ShellSandbox
+
+logger = logging.getLogger(__name__)
+
+SANDBOX_UID = 1000  # the agent's uid inside the jail
+UID_BASE, UID_COUNT = 200000, 60000  # host uids leased to sandboxes when running as root
+_ENV_SKIP = {"Dockerfile", ".dockerignore", "docker-compose.yaml", "docker-compose.yml"}
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def default_rootfs() -> Path:
+    return Path(os.environ.get("MINIRSI_ROOTFS", Path.home() / ".cache/minirsi/rootfs"))
+
+
+def _base_dir() -> Path:
+    base = Path(os.environ.get("MINIRSI_SANDBOX_TMP", "/tmp/minirsi-sandboxes"))
+    (base / ".uids").mkdir(parents=True, exist_ok=True)
+    (base / ".rootfs-mnt").mkdir(exist_ok=True)
+    os.chmod(base, 0o755)
+    return base
+
+
+class _UidLease:
+    """A host uid no other live sandbox holds (an flock on base/.uids/<uid>)."""
+
+    def __init__(self, base: Path):
+        rng = random.SystemRandom()
+        for _ in range(1000):
+            uid = UID_BASE + rng.randrange(UID_COUNT)
+            fd = os.open(base / ".uids" / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.uid, self._fd = uid, fd
+            return
+        raise SandboxError("could not lease a free sandbox uid after 1000 tries")
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _children() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc."""
+    out: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    tree, seen, todo = _children(), set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    """Live (not zombie) processes whose owner is `uid`."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.stat(f"/proc/{entry.name}").st_uid != uid:
+                    continue
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
+                        pids.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return pids
+
+
+def _end_jail(proc: subprocess.Popen) -> int:
+    """Kill the jail's pid-namespace init (the kernel then kills everything in the namespace)
+    and reap bwrap. Killing bwrap itself first would orphan the init as a zombie of host pid 1.
+    """
+    _kill_all(_children().get(proc.pid, []))
+    try:
+        return proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        _kill_all([proc.pid])
+        return proc.wait()
+
+
+def _kill_all(pids: set[int] | list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class BwrapSandbox(ShellSandbox):
+    def __init__(self, task: Any, memory_mb: int | None = None, pids: int = 256, max_output_bytes: int = 16384,
+                 file_size_mb: int = 1024, tmp_size_mb: int = 256, rootfs: str | Path | None = None):
+        super().__init__(task, max_output_bytes)
+        self._proc: subprocess.Popen | None = None
+        self._dir: Path | None = None
+        self._lease: _UidLease | None = None
+        self.rootfs = Path(rootfs) if rootfs else default_rootfs()
+        if not (self.rootfs / "usr/bin/bash").exists():
+            raise SandboxError(f"no rootfs at {self.rootfs} (usr/bin/bash missing). Fix: run scripts/setup.sh or set MINIRSI_ROOTFS")
+        if shutil.which("bwrap") is None:
+            raise SandboxError("bwrap is not installed. Fix: apt-get install bubblewrap (scripts/setup.sh does it)")
+        if task.dockerfile is not None and not task.environment.get("runs_on_base", False):
+            raise SandboxError(
+                f"task {task.task_id} has environment/Dockerfile; the bwrap backend runs every task on the base rootfs "
+                "and cannot build it. Fix: use --backend docker, or set [environment] runs_on_base = true in task.toml "
+                "if the base rootfs plus environment/ files and the setup script reproduce the image")
+        self.memory_mb = memory_mb or task.memory_mb or 2048
+        self.pids, self.file_size_mb, self.tmp_size_mb = pids, file_size_mb, tmp_size_mb
+        self._as_root = os.geteuid() == 0
+        self._base = _base_dir()
+        self._lease = _UidLease(self._base) if self._as_root else None
+        self.host_uid = self._lease.uid if self._lease else os.geteuid()
+        self._protected: set[int] = set()
+        self._runs = 0
+        try:
+            self._dir = Path(tempfile.mkdtemp(prefix=f"{task.task_id[:40]}-", dir=self._base))
+            os.chmod(self._dir, 0o755)
+            self.workdir_host = self._dir / "work"
+            self._populate()
+            if task.setup_script is not None:
+                self._run_setup()
+            self._start_shell()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- the work directory ------------------------------------------------------------------
+    def _populate(self) -> None:
+        env_dir, setup = self.task.environment_dir, self.task.setup_script
+        skip = set(_ENV_SKIP) | ({setup.name} if setup is not None and setup.parent == env_dir else set())
+        if env_dir.is_dir():
+            shutil.copytree(env_dir, self.workdir_host, symlinks=True,
+                            ignore=lambda d, names: [n for n in names if Path(d) == env_dir and n in skip])
+        else:
+            self.workdir_host.mkdir()
+        os.chmod(self.workdir_host, 0o755)
+        passwd = (self.rootfs / "etc/passwd").read_text() + f"agent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
+        group = (self.rootfs / "etc/group").read_text() + f"agent:x:{SANDBOX_UID}:\n"
+        (self._dir / "passwd").write_text(passwd)
+        (self._dir / "group").write_text(group)
+        if self._as_root:
+            self._chown_tree(self.workdir_host)
+
+    def _chown_tree(self, root: Path) -> None:
+        os.chown(root, self.host_uid, self.host_uid, follow_symlinks=False)
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in dirnames + filenames:
+                os.chown(os.path.join(dirpath, name), self.host_uid, self.host_uid, follow_symlinks=False)
+
+    # --- building the command line ------------------------------------------------------------
+    def _argv(self, binds: list[str], env: dict[str, str], command: list[str]) -> list[str]:
+        src = str(self._base / ".rootfs-mnt") if self._as_root else str(self.rootfs)
+        workdir = self.task.workdir
+        top = workdir.split("/")[1]
+        args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", str(SANDBOX_UID),
+                "--gid", str(SANDBOX_UID), "--hostname", "sandbox", "--clearenv"]
+        base_env = {"PATH": PATH, "HOME": "/tmp", "USER": "agent", "LOGNAME": "agent", "LANG": "C.UTF-8",
+                    "TERM": "dumb", "SHELL": "/bin/bash"}
+        for k, v in {**base_env, **env}.items():
+            args += ["--setenv", k, v]
+        for entry in sorted(os.scandir(self.rootfs), key=lambda e: e.name):
+            name = entry.name
+            if name in ("proc", "dev", "sys", "tmp"):
+                continue
+            if entry.is_symlink():
+                args += ["--symlink", os.readlink(entry.path), f"/{name}"]
+            elif entry.is_dir() and name != top and any(os.scandir(entry.path)):
+                args += ["--ro-bind", f"{src}/{name}", f"/{name}"]
+            elif entry.is_dir():
+                args += ["--dir", f"/{name}"]
+            else:
+                args += ["--ro-bind", f"{src}/{name}", f"/{name}"]
+        if (self.rootfs / top).is_symlink() or ((self.rootfs / top).is_dir() and any(os.scandir(self.rootfs / top))):
+            if not (self.rootfs / workdir.lstrip("/")).is_dir():
+                raise SandboxError(f"workdir {workdir} lies in the rootfs's /{top}, which is read-only and has no {workdir}. "
+                                   "Fix: choose a workdir whose first component is not in the rootfs (e.g. /app)")
+        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/tmp",
+                 "--ro-bind", str(self._dir / "passwd"), "/etc/passwd", "--ro-bind", str(self._dir / "group"), "/etc/group",
+                 "--bind", str(self.workdir_host), workdir, *binds, "--chdir", workdir, *command]
+        limits = [f"--nproc={self._nproc()}", f"--as={self.memory_mb << 20}", f"--fsize={self.file_size_mb << 20}",
+                  "--core=0", "--nofile=1024"]
+        if not self._as_root:
+            return ["prlimit", *limits, "--", *args]
+        # Private mount namespace: bind the rootfs where the unprivileged uid can reach it.
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
+                "sh", str(self.rootfs), src, "prlimit", *limits, "--", "setpriv", f"--reuid={self.host_uid}",
+                f"--regid={self.host_uid}", "--clear-groups", "--inh-caps=-all", "--", *args]
+
+    def _nproc(self) -> int:
+        if self._as_root:
+            return self.pids
+        return len(_pids_of_uid(os.geteuid())) + self.pids
+
+    # --- the shell transport -------------------------------------------------------------------
+    def _spawn(self, start_dir: str, ready: str) -> None:
+        env = {"MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
+        argv = self._argv([], env, ["/bin/bash", "--noprofile", "--norc", "-c", DRIVER, "bash", ready])
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      close_fds=True, start_new_session=True)
+        os.set_blocking(self._proc.stdout.fileno(), False)
+
+    def _on_ready(self) -> None:
+        outer = self._proc.pid
+        tree = _children()
+        init = tree.get(outer, [])
+        driver = [c for pid in init for c in tree.get(pid, [])]
+        self._protected = {outer, *init, *driver}
+
+    def _write(self, data: bytes) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            raise SandboxError("the shell is not running")
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def _read(self, timeout: float) -> bytes | None:
+        fd = self._proc.stdout.fileno()
+        ready, _, _ = select.select([fd], [], [], max(0.0, timeout))
+        if not ready:
+            return b""
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return b""
+        return data if data else None
+
+    def _exit_status(self) -> int | None:
+        try:
+            return self._proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _kill_agent_processes(self) -> None:
+        if self._proc is None:
+            return
+        for _ in range(200):  # a fork bomb respawns between scans; pids bounds it, rounds end it
+            victims = _descendants(self._proc.pid) - self._protected
+            if not victims:
+                return
+            _kill_all(victims)
+            time.sleep(0.002)
+
+    def _kill_jail(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _end_jail(proc)
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    stream.close()
+                except (OSError, ValueError):
+                    pass
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Kill anything left running as this sandbox's uid (root mode only: the uid is ours)."""
+        if not self._as_root:
+            return
+        for _ in range(100):
+            pids = _pids_of_uid(self.host_uid)
+            if not pids:
+                return
+            _kill_all(pids)
+            time.sleep(0.005)
+        raise SandboxError(f"processes of sandbox uid {self.host_uid} survived 100 kill rounds")
+
+    # --- one-shot jails: setup and verifier ------------------------------------------------------
+    def _oneshot(self, binds: list[str], env: dict[str, str], command: list[str], timeout: float) -> tuple[str, int | None, bool]:
+        proc = subprocess.Popen(self._argv(binds, env, command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
+        cap, deadline, timed_out = OutputCap(self.max_output_bytes), time.monotonic() + timeout, False
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        eof = False
+        while not eof:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            exited = proc.poll() is not None  # read what is buffered, then stop
+            if select.select([fd], [], [], 0.0 if exited else min(left, 0.05))[0]:
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    eof = True
+                cap.add(data)
+            elif exited:
+                break
+        if proc.poll() is None and eof and not timed_out:
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        code = proc.returncode if proc.poll() is not None else _end_jail(proc)
+        proc.stdout.close()
+        self._sweep()
+        text, _ = cap.text()
+        return text, (None if timed_out else code), timed_out
+
+    def _run_setup(self) -> None:
+        script = self.task.setup_script
+        out, code, timed_out = self._oneshot(["--ro-bind", str(script), "/tmp/minirsi-setup.sh"],
+                                             {}, ["/bin/bash", "/tmp/minirsi-setup.sh"], self.task.setup_timeout_sec)
+        if timed_out or code != 0:
+            raise SandboxError(f"task {self.task.task_id}: setup script {script} "
+                               f"{'timed out' if timed_out else f'exited {code}'}: {out[-2000:]}")
+
+    def run_verifier(self, tests_dir: Path, script: str, plugin: Path, env: dict[str, str], timeout: float) -> TestRun:
+        if not self._agent_stopped:
+            self.stop_agent()
+        with self._lock:
+            self._runs += 1
+            logs = self._dir / f"logs-{self._runs}"
+            logs.mkdir()
+            if self._as_root:
+                os.chown(logs, self.host_uid, self.host_uid)
+            binds = ["--ro-bind", str(tests_dir), "/tests", "--bind", str(logs), "/logs/verifier",
+                     "--ro-bind", str(plugin), "/opt/minirsi/minirsi_junit.py"]
+            out, code, timed_out = self._oneshot(binds, env, ["/bin/bash", f"/tests/{script}"], timeout)
+            files = {p.name: p.read_bytes() for p in logs.iterdir() if p.is_file() and not p.is_symlink()}
+            return TestRun(output=out, exit_code=code, timed_out=timed_out, files=files)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._alive = False
+            try:
+                self._kill_jail()
+            finally:
+                if self._dir is not None:
+                    shutil.rmtree(self._dir, ignore_errors=True)
+                if self._lease is not None:
+                    self._lease.release()

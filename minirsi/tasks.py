@@ -1,0 +1,288 @@
+"""Load shell tasks in the Harbor / Terminal-Bench 2 layout (METHOD.md section 1).
+
+A task is a directory::
+
+    <task-id>/
+      instruction.md          what the agent sees
+      task.toml               [metadata] difficulty, category (= family f), tags
+                              [agent] timeout_sec; [verifier] timeout_sec, env
+                              [environment] see below
+      environment/            files copied into the work directory (and an optional Dockerfile)
+      solution/solve.sh       the oracle (never shown to the agent)
+      tests/test.sh           the verifier; runs tests/test_outputs.py with pytest
+
+``[environment]`` fields. Harbor's own (``build_timeout_sec``, ``docker_image``, ``cpus``,
+``memory_mb`` or ``memory = "2G"``, ``storage_mb``, ``allow_internet``) are kept in
+``Task.environment``; minirsi reads ``memory_mb``/``memory`` as the sandbox memory limit and
+ignores the rest (sandboxes are always offline). minirsi adds:
+
+- ``workdir`` (default ``/app``): where the agent starts and where ``environment/`` files land.
+- ``setup`` (default none): a script inside ``environment/``, run as the agent's user in the
+  work directory, offline, before the agent starts (``setup_timeout_sec``, default 60). It is
+  not copied into the work directory. It cannot leave services running (its jail ends).
+- ``runs_on_base`` (default false): only read when ``environment/Dockerfile`` exists. The local
+  bubblewrap backend cannot build images: it runs every task on the base rootfs. A task with a
+  Dockerfile opens there only if it sets ``runs_on_base = true`` (it promises that the base
+  rootfs plus ``environment/`` files and ``setup`` reproduce the image); otherwise opening it
+  raises ``SandboxError`` telling to use ``--backend docker``.
+
+The older Terminal-Bench 1 layout (``task.yaml`` with ``instruction``, ``difficulty``,
+``category``, ``tags``, ``max_agent_timeout_sec``, ``max_test_timeout_sec``; ``solution.sh``;
+``run-tests.sh``; ``tests/``) loads too; its tasks have no ``reward.txt``, so the verifier falls
+back to "test script exited 0 and every check passed" for S.
+
+Call::
+
+    task = load_task("path/to/task")              # raises TaskError naming file, field, fix
+    tasks, errors = load_tasks("path/to/suite")   # good tasks, and one TaskError per bad one
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+DIFFICULTIES = ("easy", "medium", "hard", "extreme")
+DEFAULT_AGENT_TIMEOUT_SEC = 600.0
+DEFAULT_VERIFIER_TIMEOUT_SEC = 300.0
+DEFAULT_WORKDIR = "/app"
+# Paths the sandbox mounts itself; a task's workdir may not sit on or under them.
+_RESERVED_DIRS = ("/tests", "/logs", "/proc", "/dev", "/sys", "/tmp", "/opt/minirsi", "/solution")
+
+
+class TaskError(ValueError):
+    """A malformed task: the message names the file, the field and the fix."""
+
+    def __init__(self, path: Path | str, field_name: str, problem: str, fix: str):
+        self.path = Path(path)
+        self.field_name = field_name
+        super().__init__(f"{path}: {field_name}: {problem}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task directory, validated."""
+
+    task_id: str
+    """The directory name."""
+    path: Path
+    """The task directory (absolute)."""
+    instruction: str
+    """instruction.md (TB1: task.yaml `instruction`): what the agent sees."""
+    family: str
+    """f: `[metadata] category`."""
+    difficulty: str
+    """easy | medium | hard | extreme."""
+    tags: tuple[str, ...] = ()
+    agent_timeout_sec: float = DEFAULT_AGENT_TIMEOUT_SEC
+    verifier_timeout_sec: float = DEFAULT_VERIFIER_TIMEOUT_SEC
+    workdir: str = DEFAULT_WORKDIR
+    """Absolute path inside the sandbox where the agent starts (`[environment] workdir`)."""
+    environment: dict[str, Any] = field(default_factory=dict)
+    """The raw `[environment]` table."""
+    verifier_env: dict[str, str] = field(default_factory=dict)
+    """`[verifier] env`: extra variables for tests/test.sh."""
+    layout: str = "harbor"
+    """harbor (Terminal-Bench 2) | tb1 (Terminal-Bench 1)."""
+
+    @property
+    def tests_dir(self) -> Path:
+        return self.path / "tests"
+
+    @property
+    def test_script(self) -> Path:
+        """The verifier entry point on the host; inside the sandbox it runs from /tests."""
+        return self.path / ("tests/test.sh" if self.layout == "harbor" else "run-tests.sh")
+
+    @property
+    def solution_script(self) -> Path:
+        return self.path / ("solution/solve.sh" if self.layout == "harbor" else "solution.sh")
+
+    @property
+    def environment_dir(self) -> Path:
+        return self.path / "environment"
+
+    @property
+    def dockerfile(self) -> Path | None:
+        p = self.environment_dir / "Dockerfile"
+        return p if p.is_file() else None
+
+    @property
+    def setup_script(self) -> Path | None:
+        name = self.environment.get("setup")
+        return self.environment_dir / name if name else None
+
+    @property
+    def setup_timeout_sec(self) -> float:
+        return float(self.environment.get("setup_timeout_sec", 60.0))
+
+    @property
+    def memory_mb(self) -> int | None:
+        """`memory_mb`, or Harbor's older `memory = "2G"` spelling, or None."""
+        if "memory_mb" in self.environment:
+            return int(self.environment["memory_mb"])
+        if "memory" in self.environment:
+            return _parse_size_mb(self.task_toml, "environment.memory", self.environment["memory"])
+        return None
+
+    @property
+    def task_toml(self) -> Path:
+        return self.path / ("task.toml" if self.layout == "harbor" else "task.yaml")
+
+
+def _parse_size_mb(path: Path, field_name: str, value: Any) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)[bB]?\s*", str(value))
+    if not m:
+        raise TaskError(path, field_name, f"cannot read size {value!r}", 'write e.g. "2G", "512M" or use memory_mb = 2048')
+    scale = {"": 1 / (1 << 20), "k": 1 / 1024, "m": 1, "g": 1024}[m.group(2).lower()]
+    return max(1, int(float(m.group(1)) * scale))
+
+
+def _positive(path: Path, field_name: str, value: Any, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise TaskError(path, field_name, f"must be a positive number of seconds, got {value!r}", f"set {field_name} = {default}")
+    return float(value)
+
+
+def _common(path: Path, source: Path, meta: dict[str, Any], instruction: str, fields: dict[str, str]) -> dict[str, Any]:
+    """Validate what both layouts share; `fields` maps our names to the file's field names."""
+    if not instruction.strip():
+        raise TaskError(source, fields["instruction"], "the instruction is empty", "write what the agent must do")
+    family = meta.get("category")
+    if not isinstance(family, str) or not family.strip():
+        raise TaskError(source, fields["category"], f"missing or not a string ({family!r})", 'add category = "<family>" (the task family f)')
+    difficulty = meta.get("difficulty")
+    if difficulty not in DIFFICULTIES:
+        raise TaskError(source, fields["difficulty"], f"got {difficulty!r}", f"use one of {', '.join(DIFFICULTIES)}")
+    tags = meta.get("tags", [])
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise TaskError(source, fields["tags"], f"must be a list of strings, got {tags!r}", 'write tags = ["a", "b"]')
+    return dict(task_id=path.name, path=path, instruction=instruction, family=family.strip(), difficulty=difficulty, tags=tuple(tags))
+
+
+def _check_environment(path: Path, source: Path, env: dict[str, Any]) -> str:
+    workdir = env.get("workdir", DEFAULT_WORKDIR)
+    if not isinstance(workdir, str) or not workdir.startswith("/") or workdir.rstrip("/") == "" or ".." in workdir.split("/"):
+        raise TaskError(source, "environment.workdir", f"must be an absolute path other than /, got {workdir!r}", 'use workdir = "/app"')
+    workdir = "/" + workdir.strip("/")
+    for reserved in _RESERVED_DIRS:
+        if workdir == reserved or workdir.startswith(reserved + "/") or reserved.startswith(workdir + "/"):
+            raise TaskError(source, "environment.workdir", f"{workdir} overlaps {reserved}, which the sandbox mounts itself", 'use workdir = "/app"')
+    setup = env.get("setup")
+    if setup is not None:
+        if not isinstance(setup, str) or not (path / "environment" / setup).is_file() or ".." in Path(setup).parts:
+            raise TaskError(source, "environment.setup", f"{setup!r} is not a file inside environment/", "put the script in environment/ and name it relative to it")
+    for key in ("setup_timeout_sec", "memory_mb"):
+        if key in env:
+            _positive(source, f"environment.{key}", env[key], 1.0)
+    if "memory" in env and "memory_mb" not in env:
+        _parse_size_mb(source, "environment.memory", env["memory"])
+    if "runs_on_base" in env and not isinstance(env["runs_on_base"], bool):
+        raise TaskError(source, "environment.runs_on_base", f"must be true or false, got {env['runs_on_base']!r}", "write runs_on_base = true")
+    return workdir
+
+
+def _load_harbor(path: Path) -> Task:
+    source = path / "task.toml"
+    try:
+        config = tomllib.loads(source.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise TaskError(source, "(syntax)", f"not valid TOML ({e})", "fix the TOML syntax") from e
+    instruction_md = path / "instruction.md"
+    if not instruction_md.is_file():
+        raise TaskError(instruction_md, "(file)", "missing", "write the agent's instruction in instruction.md")
+    for section in ("metadata", "agent", "verifier", "environment"):
+        if not isinstance(config.get(section, {}), dict):
+            raise TaskError(source, f"[{section}]", "must be a table", f"write a [{section}] section")
+    meta = config.get("metadata", {})
+    common = _common(path, source, meta, instruction_md.read_text(), {
+        "instruction": "instruction.md", "category": "metadata.category",
+        "difficulty": "metadata.difficulty", "tags": "metadata.tags"})
+    test_sh = path / "tests" / "test.sh"
+    if not test_sh.is_file():
+        raise TaskError(test_sh, "(file)", "missing", "add tests/test.sh that runs pytest and writes /logs/verifier/reward.txt")
+    env = config.get("environment", {})
+    verifier_env = config.get("verifier", {}).get("env", {})
+    if not isinstance(verifier_env, dict):
+        raise TaskError(source, "verifier.env", "must be a table of strings", 'write env = { NAME = "value" }')
+    return Task(
+        **common,
+        agent_timeout_sec=_positive(source, "agent.timeout_sec", config.get("agent", {}).get("timeout_sec"), DEFAULT_AGENT_TIMEOUT_SEC),
+        verifier_timeout_sec=_positive(source, "verifier.timeout_sec", config.get("verifier", {}).get("timeout_sec"), DEFAULT_VERIFIER_TIMEOUT_SEC),
+        workdir=_check_environment(path, source, env),
+        environment=dict(env),
+        verifier_env={str(k): str(v) for k, v in verifier_env.items()},
+        layout="harbor",
+    )
+
+
+def _load_tb1(path: Path) -> Task:
+    source = path / "task.yaml"
+    try:
+        config = yaml.safe_load(source.read_text())
+    except yaml.YAMLError as e:
+        raise TaskError(source, "(syntax)", f"not valid YAML ({e})", "fix the YAML syntax") from e
+    if not isinstance(config, dict):
+        raise TaskError(source, "(top level)", "must be a mapping", "write instruction:, difficulty:, category: keys")
+    instruction = config.get("instruction")
+    if not isinstance(instruction, str):
+        raise TaskError(source, "instruction", "missing", "add instruction: | ...")
+    common = _common(path, source, config, instruction, {
+        "instruction": "instruction", "category": "category", "difficulty": "difficulty", "tags": "tags"})
+    if not (path / "run-tests.sh").is_file():
+        raise TaskError(path / "run-tests.sh", "(file)", "missing", "add run-tests.sh that runs the tests in $TEST_DIR")
+    return Task(
+        **common,
+        agent_timeout_sec=_positive(source, "max_agent_timeout_sec", config.get("max_agent_timeout_sec"), DEFAULT_AGENT_TIMEOUT_SEC),
+        verifier_timeout_sec=_positive(source, "max_test_timeout_sec", config.get("max_test_timeout_sec"), DEFAULT_VERIFIER_TIMEOUT_SEC),
+        workdir=DEFAULT_WORKDIR,
+        environment={},
+        verifier_env={"TEST_DIR": "/tests"},
+        layout="tb1",
+    )
+
+
+def load_task(path: str | Path) -> Task:
+    """Load and validate one task directory; raise TaskError naming file, field and fix."""
+    path = Path(path).resolve()
+    if not path.is_dir():
+        raise TaskError(path, "(directory)", "not a directory", "pass a task directory")
+    if (path / "task.toml").is_file():
+        return _load_harbor(path)
+    if (path / "task.yaml").is_file():
+        return _load_tb1(path)
+    raise TaskError(path / "task.toml", "(file)", "missing", "add task.toml (Harbor layout) or task.yaml (Terminal-Bench 1)")
+
+
+def is_task_dir(path: Path) -> bool:
+    return (path / "task.toml").is_file() or (path / "task.yaml").is_file() or (path / "instruction.md").is_file()
+
+
+def load_tasks(root: str | Path) -> tuple[list[Task], list[TaskError]]:
+    """Load every task under `root` (itself a task, or a directory of tasks).
+
+    Returns the good tasks (sorted by id) and one TaskError per bad one; never raises for a
+    bad task, so one broken directory does not hide a suite.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise TaskError(root, "(directory)", "does not exist", "pass a task directory or a directory of tasks")
+    candidates = [root] if is_task_dir(root) else sorted(p for p in root.iterdir() if p.is_dir() and is_task_dir(p))
+    tasks, errors = [], []
+    for path in candidates:
+        try:
+            tasks.append(load_task(path))
+        except TaskError as e:
+            logger.warning("%s", e)
+            errors.append(e)
+    return tasks, errors
