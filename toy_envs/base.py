@@ -1,0 +1,321 @@
+"""The building blocks of a toy task, and how an instance becomes a Harbor task directory.
+
+A toy task is a short list of *steps* of one family. A step is one instruction sentence with
+a fixed phrasing ("Copy cat.txt to dog.txt."), its canonical commands (one per line: the
+oracle and the pretraining corpus use the same ones), the files it needs in ``/app`` before
+the agent starts, and its checks (one pytest test each; METHOD.md section 1). Difficulty is
+the number of canonical commands: easy = 1, medium = 2, hard = 3-4, extreme = 5 or more.
+
+An instance is a pure function of its *key*, ``(family, difficulty, strict, steps)`` with
+``steps = ((kind, params), ...)``: the params are the names drawn from toy_envs/words.py, and
+every other detail (file contents, numbers) comes from an RNG seeded by the key's hash. So
+two instances with the same key are the same task, and train / eval disjointness is a
+property of keys alone (toy_envs/suites.py).
+
+The gate (``/logs/verifier/reward.txt``) is 1 iff pytest passes every test, hygiene tests
+included. ``strict`` instances add the sentence "Do not create any other files." and a hygiene
+test for it: a run can then pass every counted check (P = C) and still fail the gate, like the
+paper's 48 runs.
+
+Rendering (``write_task``) produces::
+
+    <task_id>/instruction.md  task.toml  environment/  solution/solve.sh
+    <task_id>/tests/test.sh  tests/test_outputs.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from toy_envs.words import Exhausted, NamePool
+
+DIFFICULTIES = ("easy", "medium", "hard", "extreme")
+
+STRICT_SENTENCE = "Do not create any other files."
+
+AGENT_TIMEOUT_SEC = {"easy": 60.0, "medium": 90.0, "hard": 120.0, "extreme": 180.0}
+VERIFIER_TIMEOUT_SEC = 30.0
+
+
+@dataclass(frozen=True)
+class File:
+    """A file placed in /app before the agent starts."""
+
+    content: bytes
+    mode: int = 0o644
+
+
+@dataclass(frozen=True)
+class Cmd:
+    """One canonical command, with what the shell prints for it (used by the corpus)."""
+
+    text: str
+    output: str = ""
+    exit_code: int = 0
+    reads: tuple[str, ...] = ()
+    """Paths the command needs to exist. The corpus swaps one for a missing name to make a
+    failing command; ``error`` (a format string with ``{path}``) is then what it prints."""
+    error: str = ""
+    error_code: int = 1
+    writes: tuple[str, ...] = ()
+    """Paths the command creates; the corpus swaps one for a wrong name (a silent mistake)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One pytest test: ``body`` is the Python statements of the test function."""
+
+    name: str
+    body: str
+    hygiene: bool = False
+
+
+@dataclass
+class Step:
+    sentence: str
+    cmds: list[Cmd]
+    checks: list[Check]
+    files: dict[str, File] = field(default_factory=dict)
+    creates: tuple[str, ...] = ()
+    """Top-level names in /app this step may create (allowed by the strict hygiene test)."""
+    setup: tuple[str, ...] = ()
+    """Shell lines run after the family's set-up (e.g. an untracked file in a git repo)."""
+
+
+@dataclass
+class State:
+    """What earlier steps of the same task left behind (only the git family needs it)."""
+
+    branch: str = "main"
+    head: str = "init"
+    """Subject of the commit HEAD points to."""
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """A parameterised step: ``sample`` draws the names, ``build`` makes the step.
+
+    ``build(params, rng, state)`` must use only ``params`` and ``rng`` (seeded from the task
+    key) so an instance is a pure function of its key.
+    """
+
+    name: str
+    n_cmds: int
+    sample: Callable[[random.Random, NamePool], tuple | None]
+    build: Callable[[tuple, random.Random, State], Step]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kinds: tuple[StepKind, ...]
+    unseen: bool = False
+    """Never in the training pool nor in the pretraining corpus."""
+    setup: tuple[str, ...] = ()
+    """Shell lines run in /app (as the agent's user) after the files are placed."""
+    helpers: str = ""
+    """Extra helper functions for test_outputs.py."""
+    files: tuple[tuple[str, File], ...] = ()
+    """Files every task of the family starts with (e.g. a README for the first git commit)."""
+
+    def kind(self, name: str) -> StepKind:
+        for k in self.kinds:
+            if k.name == name:
+                return k
+        raise ValueError(f"family {self.name!r} has no step kind {name!r}; kinds: {[k.name for k in self.kinds]}")
+
+
+@dataclass
+class Instance:
+    family: Family
+    difficulty: str
+    key: tuple
+    steps: list[Step]
+    strict: bool
+    tags: tuple[str, ...] = ()
+
+    @property
+    def task_id(self) -> str:
+        return f"{self.family.name}-{self.difficulty}-{stable_hash(self.key) % 16**8:08x}"
+
+    @property
+    def instruction(self) -> str:
+        sentences = [s.sentence for s in self.steps] + ([STRICT_SENTENCE] if self.strict else [])
+        return "\n".join(sentences) + "\n"
+
+    @property
+    def commands(self) -> list[Cmd]:
+        return [c for s in self.steps for c in s.cmds]
+
+    @property
+    def setup(self) -> list[str]:
+        lines = list(self.family.setup)
+        for s in self.steps:
+            lines.extend(s.setup)
+        return lines
+
+    def files(self) -> dict[str, File]:
+        out: dict[str, File] = dict(self.family.files)
+        for s in self.steps:
+            out.update(s.files)
+        return out
+
+
+def stable_hash(obj: object) -> int:
+    """A 64-bit hash of ``repr(obj)`` that is the same in every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "big")
+
+
+def build_instance(family: Family, difficulty: str, strict: bool, steps: tuple, tags=()) -> Instance:
+    """Key -> instance. ``steps`` is ``((kind_name, params), ...)``."""
+    key = (family.name, difficulty, strict, tuple(steps))
+    rng = random.Random(stable_hash(key))
+    state = State()
+    built = [family.kind(kind).build(params, rng, state) for kind, params in steps]
+    return Instance(family, difficulty, key, built, strict, tuple(tags))
+
+
+def sample_instance(family: Family, difficulty: str, n_cmds: int, rng: random.Random, strict: bool, tags=()) -> Instance:
+    """Draw steps whose canonical commands add up to exactly ``n_cmds``."""
+    pool = NamePool(rng)
+    steps: list[tuple[str, tuple]] = []
+    left = n_cmds
+    for _attempt in range(100):
+        if left == 0:
+            break
+        fits = [k for k in family.kinds if k.n_cmds <= left]
+        if not fits:
+            raise ValueError(f"family {family.name}: no step kind fits {left} commands")
+        k = rng.choice(fits)
+        try:
+            params = k.sample(rng, pool)
+        except Exhausted:
+            params = None
+        if params is None:  # the kind declined (e.g. a second branch switch in one task)
+            continue
+        steps.append((k.name, params))
+        left -= k.n_cmds
+    if left:
+        raise ValueError(f"family {family.name}: could not fill {n_cmds} commands")
+    return build_instance(family, difficulty, strict, tuple(steps), tags)
+
+
+# ----------------------------------------------------------------------------- rendering
+
+_TEST_HEADER = '''"""Checks of toy task {task_id} (generated by toy_envs; one test per check)."""
+import os
+import stat
+import subprocess
+
+import pytest
+
+APP = "/app"
+
+
+def path(name):
+    return os.path.join(APP, name)
+
+
+def read(name):
+    with open(path(name), encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def lines(name):
+    return read(name).splitlines()
+
+
+def mode(name):
+    return stat.S_IMODE(os.stat(path(name)).st_mode)
+'''
+
+TEST_SH = """#!/bin/bash
+# Verifier of a toy task (convention: minirsi/verifier.py). Each test in test_outputs.py is one
+# check; tests marked hygiene are bookkeeping (not in P or C). The gate is strict: reward 1 iff
+# every test, hygiene included, passes.
+mkdir -p /logs/verifier
+cd /app || exit 1
+pytest -q -p no:cacheprovider --junitxml=/logs/verifier/junit.xml /tests/test_outputs.py
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+def test_source(inst: Instance) -> str:
+    parts = [_TEST_HEADER.format(task_id=inst.task_id)]
+    if inst.family.helpers:
+        parts.append(inst.family.helpers)
+    checks = [(f"s{i + 1}_{c.name}", c) for i, s in enumerate(inst.steps) for c in s.checks]
+    if inst.strict:
+        allowed = sorted(_allowed_names(inst))
+        checks.append(("no_other_files", Check(
+            "no_other_files",
+            f"allowed = {set(allowed)!r}\nstray = sorted(set(os.listdir(APP)) - allowed)\n"
+            "assert not stray, f\"files not asked for: {stray}\"",
+            hygiene=True,
+        )))
+    for name, c in checks:
+        mark = "@pytest.mark.hygiene\n" if c.hygiene else ""
+        body = "\n".join("    " + line for line in c.body.splitlines())
+        parts.append(f"\n{mark}def test_{name}():\n{body}\n")
+    return "\n".join(parts)
+
+
+def _allowed_names(inst: Instance) -> set[str]:
+    names = {p.split("/")[0] for p in inst.files()}
+    for s in inst.steps:
+        names.update(s.creates)
+    return names | {".git"}
+
+
+def solve_source(inst: Instance) -> str:
+    cmds = "\n".join(c.text for c in inst.commands)
+    return f"#!/bin/bash\n# Oracle of toy task {inst.task_id}: the canonical commands, one per line.\nset -e\ncd /app\n{cmds}\n"
+
+
+def task_toml(inst: Instance) -> str:
+    tags = ", ".join(f'"{t}"' for t in ("toy", inst.family.name, *inst.tags))
+    setup = '\nsetup = "setup.sh"' if inst.setup else ""
+    return (
+        'version = "1.0"\n\n'
+        f'[metadata]\ndifficulty = "{inst.difficulty}"\ncategory = "{inst.family.name}"\ntags = [{tags}]\n'
+        "\n"
+        f"[agent]\ntimeout_sec = {AGENT_TIMEOUT_SEC.get(inst.difficulty, 300.0)}\n\n"
+        f"[verifier]\ntimeout_sec = {VERIFIER_TIMEOUT_SEC}\n\n"
+        f'[environment]\nworkdir = "/app"{setup}\n'
+    )
+
+
+def write_task(inst: Instance, out_dir: Path) -> Path:
+    """Write the Harbor-layout directory of ``inst`` under ``out_dir``; returns its path."""
+    root = Path(out_dir) / inst.task_id
+    (root / "environment").mkdir(parents=True, exist_ok=True)
+    (root / "solution").mkdir(exist_ok=True)
+    (root / "tests").mkdir(exist_ok=True)
+    _write(root / "instruction.md", inst.instruction.encode())
+    _write(root / "task.toml", task_toml(inst).encode())
+    for rel, f in sorted(inst.files().items()):
+        _write(root / "environment" / rel, f.content, f.mode)
+    if inst.setup:
+        body = "\n".join(inst.setup)
+        _write(root / "environment" / "setup.sh", f"#!/bin/bash\n# Set-up run in /app before the agent starts.\nset -e\ncd /app\n{body}\n".encode(), 0o755)
+    _write(root / "solution" / "solve.sh", solve_source(inst).encode(), 0o755)
+    _write(root / "tests" / "test.sh", TEST_SH.encode(), 0o755)
+    _write(root / "tests" / "test_outputs.py", test_source(inst).encode())
+    return root
+
+
+def _write(p: Path, data: bytes, mode: int = 0o644) -> None:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data)
+    os.chmod(p, mode)
+
+
+def q(s: str) -> str:
+    """Shell-quote only when needed (keeps canonical commands short)."""
+    return shlex.quote(s)

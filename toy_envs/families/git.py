@@ -1,0 +1,149 @@
+"""Family "git": commit, branch, tag, remove and ignore files in a repository at /app.
+
+The task's set-up script (``environment/setup.sh``) makes /app a repository on branch
+``main`` with a local identity and one commit "init" of the placed files; steps may add
+untracked files after it. Checks call ``git`` (a few ms each) rather than parse objects.
+"""
+
+from __future__ import annotations
+
+from toy_envs.base import Check, Cmd, Family, File, Step, StepKind
+from toy_envs.families.common import err, lit
+from toy_envs.words import FRUITS
+
+SETUP = (
+    "git init -q -b main",
+    "git config user.name toy",
+    "git config user.email toy@example.com",
+    "git add -A",
+    "git commit -q -m init",
+)
+
+HELPERS = '''
+def git(*args):
+    r = subprocess.run(["git", "-c", "safe.directory=*", "-C", APP, *args], capture_output=True, text=True)
+    return r.stdout
+
+
+def git_ok(*args):
+    r = subprocess.run(["git", "-c", "safe.directory=*", "-C", APP, *args], capture_output=True, text=True)
+    return r.returncode == 0
+'''
+
+
+def _sha(rng) -> str:
+    return "".join(rng.choice("0123456789abcdef") for _ in range(7))
+
+
+def _commit(p, rng, state):
+    a, m = p
+    w = rng.choice(FRUITS)
+    out = f"[{state.branch} {_sha(rng)}] {m}\n 1 file changed, 1 insertion(+)\n create mode 100644 {a}.txt\n"
+    state.head = m
+    return Step(
+        f"Commit {a}.txt with the message {m}.",
+        [
+            Cmd(f"git add {a}.txt", reads=(f"{a}.txt",), **err("git_add")),
+            Cmd(f"git commit -m {m}", output=out),
+        ],
+        [
+            Check("tracked", f"assert git('ls-files', {lit(a + '.txt')}).strip() == {lit(a + '.txt')}"),
+            Check("commit_made", f"assert {lit(m)} in git('log', '--all', '--format=%s').split()"),
+            Check("commit_has_file", f"assert {lit(m)} in git('log', '--all', '--format=%s', '--', {lit(a + '.txt')}).split()"),
+        ],
+        setup=(f"echo {w} > {a}.txt",),
+        creates=(f"{a}.txt",),
+    )
+
+
+def _branch(p, rng, state):
+    (b,) = p
+    return Step(
+        f"Create the branch {b}.",
+        [Cmd(f"git branch {b}")],
+        [
+            Check("branch_exists", f"assert git_ok('rev-parse', '--verify', '-q', {lit('refs/heads/' + b)})"),
+            Check("branch_commit", f"assert git('log', '-1', '--format=%s', {lit(b)}).strip() == {lit(state.head)}"),
+        ],
+    )
+
+
+def _tag(p, rng, state):
+    (t,) = p
+    return Step(
+        f"Tag the last commit as {t}.",
+        [Cmd(f"git tag {t}")],
+        [
+            Check("tag_exists", f"assert git_ok('rev-parse', '--verify', '-q', {lit('refs/tags/' + t)})"),
+            Check("tag_commit", f"assert git('log', '-1', '--format=%s', {lit(t)}).strip() == {lit(state.head)}"),
+        ],
+    )
+
+
+def _switch(p, rng, state):
+    (b,) = p
+    state.branch = b
+    return Step(
+        f"Switch to a new branch {b}.",
+        [Cmd(f"git checkout -b {b}", output=f"Switched to a new branch '{b}'\n")],
+        [
+            Check("branch_exists", f"assert git_ok('rev-parse', '--verify', '-q', {lit('refs/heads/' + b)})"),
+            Check("on_branch", f"assert git('rev-parse', '--abbrev-ref', 'HEAD').strip() == {lit(b)}"),
+        ],
+    )
+
+
+def _switch_sample(rng, pool):
+    if "__switched__" in pool.used:  # one switch per task, so "on_branch" stays true at the end
+        return None
+    pool.used.add("__switched__")
+    return (pool.tag(),)
+
+
+def _remove(p, rng, state):
+    a, m = p
+    out = f"[{state.branch} {_sha(rng)}] {m}\n 1 file changed, 1 deletion(-)\n delete mode 100644 {a}.txt\n"
+    state.head = m
+    return Step(
+        f"Remove {a}.txt from git and commit with the message {m}.",
+        [
+            Cmd(f"git rm {a}.txt", output=f"rm '{a}.txt'\n", reads=(f"{a}.txt",), **err("git_rm")),
+            Cmd(f"git commit -m {m}", output=out),
+        ],
+        [
+            Check("file_gone", f"assert not os.path.exists(path({lit(a + '.txt')}))"),
+            Check("untracked", f"assert git('ls-files', {lit(a + '.txt')}).strip() == ''"),
+            Check("commit_made", f"assert {lit(m)} in git('log', '--all', '--format=%s').split()"),
+        ],
+        files={f"{a}.txt": File(f"{rng.choice(FRUITS)}\n".encode())},
+    )
+
+
+def _ignore(p, rng, state):
+    (a,) = p
+    return Step(
+        f"Add {a}.log to .gitignore.",
+        [Cmd(f"echo {a}.log >> .gitignore", writes=(".gitignore",))],
+        [
+            Check("listed", f"assert {lit(a + '.log')} in lines('.gitignore')"),
+            Check("ignored", f"assert git_ok('check-ignore', '-q', {lit(a + '.log')})"),
+        ],
+        setup=(f"echo log > {a}.log",),
+        creates=(".gitignore", f"{a}.log"),
+    )
+
+
+FAMILY = Family(
+    "git",
+    (
+        StepKind("commit", 2, lambda r, n: (n.file(), n.tag()), _commit),
+        StepKind("branch", 1, lambda r, n: (n.tag(),), _branch),
+        StepKind("tag", 1, lambda r, n: (n.tag(),), _tag),
+        StepKind("switch", 1, _switch_sample, _switch),
+        StepKind("remove", 2, lambda r, n: (n.file(), n.tag()), _remove),
+        StepKind("ignore", 1, lambda r, n: (n.file(),), _ignore),
+    ),
+    setup=SETUP,
+    helpers=HELPERS,
+    files=(("README", File(b"toy repo\n")),),
+)

@@ -1,0 +1,139 @@
+"""Family "scripts": run small shell scripts, save their output, and fix them with sed.
+
+A script ``a.sh`` is two lines: ``#!/bin/bash`` and ``echo WORD > b.txt`` (or ``echo WORD``
+when its output is to be saved). The bugs are a wrong word, a wrong output file, or the typo
+``ecko``.
+"""
+
+from __future__ import annotations
+
+from toy_envs.base import Check, Cmd, Family, File, Step, StepKind
+from toy_envs.families.common import err, lit
+
+
+def _sh(line: str) -> bytes:
+    return f"#!/bin/bash\n{line}\n".encode()
+
+
+def _run(p, rng, state):
+    a, v, b = p
+    body = _sh(f"echo {v} > {b}.txt")
+    return Step(
+        f"Run {a}.sh.",
+        [Cmd(f"bash {a}.sh", reads=(f"{a}.sh",), **err("bash"))],
+        [
+            Check("out_exists", f"assert os.path.isfile(path({lit(b + '.txt')}))"),
+            Check("out_content", f"assert read({lit(b + '.txt')}).strip() == {lit(v)}"),
+            Check("script_kept", f"assert read({lit(a + '.sh')}) == {lit(body.decode())}"),
+        ],
+        files={f"{a}.sh": File(body)},
+        creates=(f"{b}.txt",),
+    )
+
+
+def _save_output(p, rng, state):
+    a, v, b = p
+    body = _sh(f"echo {v}")
+    return Step(
+        f"Save the output of {a}.sh to {b}.txt.",
+        [Cmd(f"bash {a}.sh > {b}.txt", reads=(f"{a}.sh",), writes=(f"{b}.txt",), **err("bash"))],
+        [
+            Check("out_exists", f"assert os.path.isfile(path({lit(b + '.txt')}))"),
+            Check("out_content", f"assert read({lit(b + '.txt')}).strip() == {lit(v)}"),
+            Check("script_kept", f"assert read({lit(a + '.sh')}) == {lit(body.decode())}"),
+        ],
+        files={f"{a}.sh": File(body)},
+        creates=(f"{b}.txt",),
+    )
+
+
+def _fix_word(p, rng, state):
+    a, v, w, b = p
+    return Step(
+        f"Fix {a}.sh: it must write {w}, not {v}.",
+        [Cmd(f"sed -i 's/{v}/{w}/' {a}.sh", reads=(f"{a}.sh",), **err("sed"))],
+        [
+            Check("new_word", f"assert {lit(w)} in read({lit(a + '.sh')})"),
+            Check("old_word_gone", f"assert {lit(v)} not in read({lit(a + '.sh')})"),
+            Check("script_right", f"assert lines({lit(a + '.sh')})[1] == {lit(f'echo {w} > {b}.txt')}"),
+        ],
+        files={f"{a}.sh": File(_sh(f"echo {v} > {b}.txt"))},
+    )
+
+
+def _fix_target(p, rng, state):
+    a, v, b, c = p
+    return Step(
+        f"Fix {a}.sh: it must write to {c}.txt, not {b}.txt.",
+        [Cmd(f"sed -i 's/{b}.txt/{c}.txt/' {a}.sh", reads=(f"{a}.sh",), **err("sed"))],
+        [
+            Check("new_target", f"assert {lit(c + '.txt')} in read({lit(a + '.sh')})"),
+            Check("old_target_gone", f"assert {lit(b + '.txt')} not in read({lit(a + '.sh')})"),
+            Check("script_right", f"assert lines({lit(a + '.sh')})[1] == {lit(f'echo {v} > {c}.txt')}"),
+        ],
+        files={f"{a}.sh": File(_sh(f"echo {v} > {b}.txt"))},
+    )
+
+
+def _fix_typo(p, rng, state):
+    a, v, b = p
+    return Step(
+        f"Fix the typo ecko in {a}.sh.",
+        [Cmd(f"sed -i 's/ecko/echo/' {a}.sh", reads=(f"{a}.sh",), **err("sed"))],
+        [
+            Check("typo_gone", f"assert 'ecko' not in read({lit(a + '.sh')})"),
+            Check("echo_there", f"assert 'echo' in read({lit(a + '.sh')})"),
+            Check("script_right", f"assert lines({lit(a + '.sh')})[1] == {lit(f'echo {v} > {b}.txt')}"),
+        ],
+        files={f"{a}.sh": File(_sh(f"ecko {v} > {b}.txt"))},
+    )
+
+
+def _fix_run(p, rng, state):
+    a, v, w, b = p
+    return Step(
+        f"Fix {a}.sh to write {w}, not {v}, then run it.",
+        [
+            Cmd(f"sed -i 's/{v}/{w}/' {a}.sh", reads=(f"{a}.sh",), **err("sed")),
+            Cmd(f"bash {a}.sh", reads=(f"{a}.sh",), **err("bash")),
+        ],
+        [
+            Check("script_fixed", f"assert lines({lit(a + '.sh')})[1] == {lit(f'echo {w} > {b}.txt')}"),
+            Check("out_exists", f"assert os.path.isfile(path({lit(b + '.txt')}))"),
+            Check("out_content", f"assert read({lit(b + '.txt')}).strip() == {lit(w)}"),
+        ],
+        files={f"{a}.sh": File(_sh(f"echo {v} > {b}.txt"))},
+        creates=(f"{b}.txt",),
+    )
+
+
+def _typo_run(p, rng, state):
+    a, v, b = p
+    return Step(
+        f"Fix the typo ecko in {a}.sh, then run it.",
+        [
+            Cmd(f"sed -i 's/ecko/echo/' {a}.sh", reads=(f"{a}.sh",), **err("sed")),
+            Cmd(f"bash {a}.sh", reads=(f"{a}.sh",), **err("bash")),
+        ],
+        [
+            Check("script_fixed", f"assert lines({lit(a + '.sh')})[1] == {lit(f'echo {v} > {b}.txt')}"),
+            Check("out_exists", f"assert os.path.isfile(path({lit(b + '.txt')}))"),
+            Check("out_content", f"assert read({lit(b + '.txt')}).strip() == {lit(v)}"),
+        ],
+        files={f"{a}.sh": File(_sh(f"ecko {v} > {b}.txt"))},
+        creates=(f"{b}.txt",),
+    )
+
+
+FAMILY = Family(
+    "scripts",
+    (
+        StepKind("run", 1, lambda r, n: (n.file(), n.fruit(), n.file()), _run),
+        StepKind("save_output", 1, lambda r, n: (n.file(), n.fruit(), n.file()), _save_output),
+        StepKind("fix_word", 1, lambda r, n: (n.file(), n.fruit(), n.fruit(), n.file()), _fix_word),
+        StepKind("fix_target", 1, lambda r, n: (n.file(), n.fruit(), n.file(), n.file()), _fix_target),
+        StepKind("fix_typo", 1, lambda r, n: (n.file(), n.fruit(), n.file()), _fix_typo),
+        StepKind("fix_run", 2, lambda r, n: (n.file(), n.fruit(), n.fruit(), n.file()), _fix_run),
+        StepKind("typo_run", 2, lambda r, n: (n.file(), n.fruit(), n.file()), _typo_run),
+    ),
+)
