@@ -1,0 +1,219 @@
+"""Mean@k evaluation of a checkpoint on task suites (METHOD.md section 7).
+
+For a suite of tasks T, each task t is attempted k times (k = 3, fresh sandbox each time) and
+S_{t,i} in {0, 1} is the verifier's strict outcome of attempt i. Then
+
+    Mean@k(T)            = (1 / |T|) * sum_t (1 / k) * sum_i S_{t,i}
+    Mean@k(T, d)         = the same over the tasks of difficulty d  (easy/medium/hard/extreme)
+    process_reward(T)    = mean over all attempts of P / C          (long-horizon suites)
+    strict_completion(T) = number of tasks whose attempts pass the gate in a majority (>= k/2)
+
+P / C are the passed and total non-hygiene checks (METHOD.md section 1). Strict completion is a
+count of tasks, as the paper reports LHTB (0/46 -> 5/46); the paper does not say how it folds
+3 samples into one completion per task, so "a majority of the k attempts" is our choice.
+
+Result of ``evaluate`` (also the per-stage entry of a run's ``results.json``)::
+
+    {"core": {"mean_at_3": 0.41, "n_tasks": 24, "n_episodes": 72,
+              "by_difficulty": {"easy": 0.6, "medium": 0.3},
+              "mean_passed_fraction": 0.55, "mean_turns": 3.1},
+     "long": {..., "process_reward": 0.37, "strict_completion": {"completed": 2, "tasks": 6}}}
+
+Run it on any checkpoint (the toy suites are generated into ``--tasks`` when it is empty)::
+
+    minirsi eval --model runs/toy/stages/05-rpr2/actor --suites core,hard,long,unseen --k 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from minirsi.episode import Episode
+
+logger = logging.getLogger(__name__)
+
+DIFFICULTIES = ("easy", "medium", "hard", "extreme")
+LONG_SUITES = ("long",)
+"""Suites that also report process reward and strict completion (the paper's LHTB)."""
+
+
+def summarise(episodes: Sequence[Episode], k: int, long_horizon: bool = False) -> dict[str, Any]:
+    """Fold one suite's episodes (k per task) into Mean@k and its breakdowns.
+
+    Tasks are grouped by ``task_id``; a task's score is the mean success of its attempts, so a
+    task that got fewer than k attempts (a crashed sandbox) still counts once, with what it has.
+    """
+    if not episodes:
+        raise ValueError("summarise: no episodes to score; did the rollout produce any?")
+    by_task: dict[str, list[Episode]] = defaultdict(list)
+    for ep in episodes:
+        by_task[ep.task_id].append(ep)
+    task_score = {t: sum(e.success for e in eps) / len(eps) for t, eps in by_task.items()}
+    by_diff: dict[str, list[float]] = defaultdict(list)
+    for t, eps in by_task.items():
+        by_diff[eps[0].difficulty].append(task_score[t])
+    order = [d for d in DIFFICULTIES if d in by_diff] + sorted(set(by_diff) - set(DIFFICULTIES))
+    out: dict[str, Any] = {
+        f"mean_at_{k}": _mean(task_score.values()),
+        "n_tasks": len(by_task),
+        "n_episodes": len(episodes),
+        "by_difficulty": {d: _mean(by_diff[d]) for d in order},
+        "n_by_difficulty": {d: len(by_diff[d]) for d in order},
+        "mean_passed_fraction": _mean(e.passed / e.total if e.total else 0.0 for e in episodes),
+        "mean_turns": _mean(e.turns for e in episodes),
+    }
+    if long_horizon:
+        out["process_reward"] = out["mean_passed_fraction"]
+        completed = sum(
+            1 for eps in by_task.values() if sum(e.success for e in eps) * 2 >= len(eps) and any(e.success for e in eps)
+        )
+        out["strict_completion"] = {"completed": completed, "tasks": len(by_task)}
+    return out
+
+
+def evaluate(
+    actor: Any,
+    tokenizer: Any,
+    suites: Mapping[str, Sequence[Any]],
+    k: int = 3,
+    rollout_cfg: Any = None,
+    out_dir: str | Path | None = None,
+    seed: int = 0,
+    long_suites: Sequence[str] = LONG_SUITES,
+) -> dict[str, dict[str, Any]]:
+    """Roll the actor out k times on every task of every suite and score it.
+
+    Args:
+        actor: a causal LM (``models.load_actor``); sampled through ``sampler.HFSampler``.
+        tokenizer: its tokenizer.
+        suites: suite name -> list of ``tasks.Task``.
+        k: attempts per task (Mean@k).
+        rollout_cfg: a ``rollout.RolloutConfig`` (turn limit, temperature, ...); default one if None.
+        out_dir: when given, each suite's episodes are written to ``out_dir/<suite>.jsonl``
+            (what ``minirsi audit`` rescores).
+        seed: base seed; suite i is sampled with ``seed + 1000 * i``.
+        long_suites: suites that also report process reward and strict completion.
+    Returns:
+        suite -> the dict ``summarise`` returns.
+    """
+    from minirsi import rollout
+    from minirsi.sampler import HFSampler
+
+    if k < 1:
+        raise ValueError(f"k={k}: Mean@k needs at least one attempt per task, e.g. k=3")
+    cfg = rollout_cfg if rollout_cfg is not None else rollout.RolloutConfig()
+    sampler = HFSampler(actor, tokenizer)
+    was_training = getattr(actor, "training", False)
+    actor.eval()
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for i, (name, tasks) in enumerate(suites.items()):
+            if not tasks:
+                raise ValueError(f"evaluate: suite '{name}' has no tasks; check its task directory")
+            out_path = None
+            if out_dir is not None:
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                out_path = Path(out_dir) / f"{name}.jsonl"
+                if out_path.exists():
+                    out_path.unlink()  # a re-run of this evaluation replaces the old episodes
+            repeated = [t for t in tasks for _ in range(k)]  # collect runs one episode per entry
+            run_cfg = dataclasses.replace(cfg, seed=seed + 1000 * i)
+            episodes = rollout.collect(repeated, sampler, tokenizer, run_cfg, out_path)
+            results[name] = summarise(episodes, k, long_horizon=name in long_suites)
+            logger.info("eval %s: Mean@%d = %.3f over %d tasks", name, k, results[name][f"mean_at_{k}"], len(tasks))
+    finally:
+        if was_training:
+            actor.train()
+    return results
+
+
+def load_suites(root: str | Path, names: Sequence[str]) -> dict[str, list[Any]]:
+    """Load ``root/<name>/`` for each suite name; a missing or empty suite is an error."""
+    from minirsi.tasks import load_tasks
+
+    suites: dict[str, list[Any]] = {}
+    for name in names:
+        d = Path(root) / name
+        if not d.is_dir():
+            raise ValueError(
+                f"suite '{name}': no task directory {d}; generate the toy suites "
+                f"(leave --tasks empty) or point --tasks at a directory with a '{name}/' folder"
+            )
+        tasks, errors = load_tasks(d)
+        for err in errors:
+            logger.warning("skipping a task of suite %s: %s", name, err)
+        if not tasks:
+            raise ValueError(f"suite '{name}': {d} holds no valid task ({len(errors)} rejected)")
+        suites[name] = tasks
+    return suites
+
+
+def generate_toy_suites(root: str | Path, names: Sequence[str], sizes: Mapping[str, int] | None = None, seed: int = 0) -> None:
+    """Write the toy suites ``names`` into ``root/<name>/`` (deterministic in ``seed``).
+
+    A suite whose directory already holds a ``.complete`` marker is left alone; the marker is
+    written after the last task, so a generation killed halfway is redone, not half-used.
+    """
+    import shutil
+
+    import toy_envs
+
+    for name in names:
+        d = Path(root) / name
+        if (d / ".complete").exists():
+            continue
+        if d.exists():
+            shutil.rmtree(d)
+        n = (sizes or {}).get(name)
+        toy_envs.generate_suite(name, d, n=n, seed=seed)
+        (d / ".complete").write_text("")
+
+
+def _mean(xs: Any) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def cli(argv: Sequence[str] | None = None, command: str = "eval") -> int:
+    p = argparse.ArgumentParser(prog=f"minirsi {command}", description="Mean@k of a checkpoint on task suites.")
+    p.add_argument("--model", required=True, help="a checkpoint directory (or a Hugging Face name)")
+    p.add_argument("--suites", default="core,hard,long,unseen", help="comma-separated suite names")
+    p.add_argument("--k", type=int, default=3, help="attempts per task (Mean@k)")
+    p.add_argument("--tasks", default="", help="directory with one folder per suite (default: generate the toy suites)")
+    p.add_argument("--n", type=int, default=None, help="toy tasks per suite when generating (default: the suite's own)")
+    p.add_argument("--seed", type=int, default=0, help="toy suite seed when generating; sampling seed")
+    p.add_argument("--max-turns", type=int, default=None, help="turn limit per episode")
+    p.add_argument("--out", default="", help="write the results JSON (and episodes beside it) here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    from minirsi import rollout
+    from minirsi.models import load_actor
+
+    names = [s.strip() for s in args.suites.split(",") if s.strip()]
+    try:
+        root = Path(args.tasks) if args.tasks else Path(".cache") / f"toy-suites-seed{args.seed}-n{args.n}"
+        if not args.tasks:
+            generate_toy_suites(root, names, {n: args.n for n in names} if args.n else None, seed=args.seed)
+        suites = load_suites(root, names)
+        actor, tokenizer = load_actor(args.model)
+        cfg = rollout.RolloutConfig()
+        if args.max_turns is not None:
+            cfg = dataclasses.replace(cfg, max_turns=args.max_turns)
+        out_dir = Path(args.out).with_suffix("") if args.out else None
+        results = evaluate(actor, tokenizer, suites, k=args.k, rollout_cfg=cfg, out_dir=out_dir, seed=args.seed)
+    except ValueError as e:
+        print(f"minirsi {command}: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(results, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0

@@ -1,0 +1,111 @@
+"""Mean@k scoring: hand-worked cases of ``summarise``, and ``evaluate`` driving the rollout
+engine (replaced here by a fake that fabricates episodes) with k attempts per task."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minirsi import evaluate as ev
+from minirsi.episode import Episode
+
+
+def ep(task: str, success: bool, passed: int = 0, total: int = 4, difficulty: str = "easy", turns: int = 2) -> Episode:
+    return Episode(task_id=task, family="files", difficulty=difficulty, token_ids=[1, 2], logprobs=[None, -0.1],
+                   action_mask=[0, 1], turn_ids=[0, 0], turns=turns, success=success, passed=passed, total=total)
+
+
+def test_mean_at_3_hand_worked():
+    # task a: 2/3, task b: 0/3, task c (hard): 3/3 -> Mean@3 = (2/3 + 0 + 1) / 3 = 5/9
+    eps = [ep("a", True), ep("a", True), ep("a", False),
+           ep("b", False), ep("b", False), ep("b", False),
+           ep("c", True, difficulty="hard"), ep("c", True, difficulty="hard"), ep("c", True, difficulty="hard")]
+    r = ev.summarise(eps, k=3)
+    assert r["mean_at_3"] == pytest.approx(5 / 9)
+    assert r["by_difficulty"] == pytest.approx({"easy": 1 / 3, "hard": 1.0})  # easy: (2/3 + 0) / 2
+    assert r["n_by_difficulty"] == {"easy": 2, "hard": 1}
+    assert (r["n_tasks"], r["n_episodes"]) == (3, 9)
+    assert "process_reward" not in r
+
+
+def test_long_suite_reports_process_reward_and_strict_completion():
+    # P/C per attempt: a: 4/4, 4/4, 2/4 ; b: 1/4 x3 -> mean = (1 + 1 + .5 + .75) / 6 = 3.25 / 6
+    eps = [ep("a", True, 4), ep("a", True, 4), ep("a", False, 2),
+           ep("b", False, 1), ep("b", False, 1), ep("b", False, 1)]
+    r = ev.summarise(eps, k=3, long_horizon=True)
+    assert r["process_reward"] == pytest.approx(3.25 / 6)
+    assert r["strict_completion"] == {"completed": 1, "tasks": 2}  # a passes the gate in 2 of 3
+
+
+def test_a_task_with_fewer_attempts_counts_once():
+    r = ev.summarise([ep("a", True), ep("b", False), ep("b", True), ep("b", True)], k=3)
+    assert r["mean_at_3"] == pytest.approx((1 + 2 / 3) / 2)
+
+
+def test_no_episodes_is_an_error():
+    with pytest.raises(ValueError, match="no episodes"):
+        ev.summarise([], k=3)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=3, max_size=3), min_size=1, max_size=8))
+def test_mean_at_k_is_the_mean_of_per_task_means(outcomes):
+    eps = [ep(f"t{i}", s) for i, row in enumerate(outcomes) for s in row]
+    r = ev.summarise(eps, k=3)
+    assert r["mean_at_3"] == pytest.approx(sum(sum(row) / 3 for row in outcomes) / len(outcomes))
+    assert 0.0 <= r["mean_at_3"] <= 1.0
+
+
+def test_evaluate_runs_k_attempts_per_task_and_writes_episodes(tmp_path, monkeypatch):
+    from minirsi import rollout
+
+    calls = []
+
+    def fake_collect(tasks, sampler, tokenizer, cfg, out_path=None, progress=True, **kw):
+        calls.append(([t.task_id for t in tasks], cfg.seed, out_path))
+        eps = [ep(t.task_id, t.task_id.endswith("1"), difficulty=t.difficulty) for t in tasks]
+        out_path.write_text("".join(e.to_json() + "\n" for e in eps))
+        return eps
+
+    class Actor:
+        training = True
+
+        def eval(self):
+            self.training = False
+            return self
+
+        def train(self, mode=True):
+            self.training = mode
+            return self
+
+        def parameters(self):
+            import torch
+
+            return iter([torch.zeros(1)])
+
+    monkeypatch.setattr(rollout, "collect", fake_collect)
+    monkeypatch.setattr("minirsi.sampler.HFSampler", lambda model, tok: SimpleNamespace(model=model))
+    task = lambda i, d="easy": SimpleNamespace(task_id=f"t{i}", difficulty=d)  # noqa: E731
+    suites = {"core": [task(0), task(1)], "long": [task(2, "hard")]}
+    actor = Actor()
+    res = ev.evaluate(actor, SimpleNamespace(), suites, k=3, out_dir=tmp_path, seed=7)
+    assert calls[0][0] == ["t0", "t0", "t0", "t1", "t1", "t1"]
+    assert calls[0][1] != calls[1][1]  # each suite has its own sampling seed
+    assert res["core"]["mean_at_3"] == pytest.approx(0.5)
+    assert "process_reward" in res["long"] and "process_reward" not in res["core"]
+    assert (tmp_path / "core.jsonl").is_file() and (tmp_path / "long.jsonl").is_file()
+    assert actor.training  # left in the mode it came in
+
+
+def test_load_suites_names_a_missing_suite(tmp_path):
+    with pytest.raises(ValueError, match="suite 'core'"):
+        ev.load_suites(tmp_path, ["core"])
+
+
+def test_cli_missing_suite_dir_is_a_clear_error(tmp_path, capsys):
+    rc = ev.cli(["--model", str(tmp_path), "--tasks", str(tmp_path / "nothing"), "--suites", "core"])
+    assert rc == 2
+    assert "suite 'core'" in capsys.readouterr().err

@@ -1,0 +1,360 @@
+"""The recipe driver: config errors, the stage plan, checkpoints, resume after a kill, results.
+
+Most tests inject ``FakeRunner``, which "trains" by writing small files, so the ordering,
+marker, resume and logging logic is tested in milliseconds. The slow test runs the real
+``smoke`` preset end to end and checks that the final stage beats Base.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from minirsi import pipeline
+from minirsi.config import ConfigError, load_config
+from minirsi.pipeline import PipelineError, RunConfig, RunDir, plan
+
+REPO = Path(__file__).resolve().parents[1]
+SUITES = ["core", "hard", "long", "unseen"]
+
+
+class SimulatedKill(BaseException):
+    """Stands in for SIGKILL inside one process: not an Exception, so nothing catches it."""
+
+
+class FakeRunner:
+    """Writes tiny stand-in checkpoints; records every call; can die at a chosen point."""
+
+    def __init__(self, kill_in: str | None = None, kill_in_eval: str | None = None, error: BaseException | None = None,
+                 error_in: str | None = None):
+        self.calls: list[str] = []
+        self.kill_in, self.kill_in_eval = kill_in, kill_in_eval
+        self.error, self.error_in = error, error_in
+
+    def setup(self, cfg, run):
+        self.calls.append("setup")
+        if not run.calibration.exists():
+            run.calibration.write_text(json.dumps({"files": 5.0}))
+
+    def train(self, cfg, run, spec, inputs, out, log):
+        self.calls.append(f"train:{spec.name}")
+        for step in range(3):
+            log(step, {"dense_reward": 0.1 * step, "binary_reward": 0.05 * step, "turns": 3 + step,
+                       "explained_variance": -0.5 + 0.3 * step, "logprob_gap": 4e-3})
+            if spec.name == self.kill_in and step == 1:
+                (out / "actor").mkdir()
+                (out / "actor" / "half-written.bin").write_text("partial")
+                raise SimulatedKill(spec.name)
+        if spec.name == self.error_in:
+            raise self.error
+        if spec.kind != "warmup":
+            (out / "actor").mkdir()
+            src = inputs.actor.joinpath("weights.txt").read_text() if inputs.actor else ""
+            (out / "actor" / "weights.txt").write_text(src + spec.name + ";")
+        if spec.kind in ("warmup", "rpr"):
+            (out / "critic").mkdir()
+            src = inputs.critic.joinpath("value.txt").read_text() if inputs.critic else "fresh;"
+            (out / "critic" / "value.txt").write_text(src + spec.name + ";")
+            (out / "optimizer.pt").write_text(f"optimizer of {spec.name}")
+        return {"inputs": {k: str(v) for k, v in vars(inputs).items()}}
+
+    def evaluate(self, cfg, run, spec, actor, out):
+        self.calls.append(f"eval:{spec.name}")
+        if spec.name == self.kill_in_eval:
+            (out / "core.jsonl").write_text("{}\n")
+            raise SimulatedKill(spec.name)
+        depth = actor.joinpath("weights.txt").read_text().count(";")
+        res = {}
+        for i, s in enumerate(cfg.eval.suites):
+            r = {"mean_at_3": round(0.1 * depth + 0.01 * i, 4), "n_tasks": 4, "n_episodes": 12,
+                 "by_difficulty": {"easy": 0.5, "medium": 0.1 * depth}, "n_by_difficulty": {"easy": 2, "medium": 2}}
+            if s == "long":
+                r.update(process_reward=0.2 + 0.01 * depth, strict_completion={"completed": depth // 2, "tasks": 4})
+            res[s] = r
+        return res
+
+
+def small_cfg(*overrides: str) -> RunConfig:
+    return load_config(RunConfig, None, list(overrides))
+
+
+def run_fake(cfg, run_dir, runner, resume=False):
+    return pipeline.run(cfg, run_dir, runner=runner, resume=resume, tensorboard=False)
+
+
+# -------------------------------------------------------------------------------- config
+
+
+def test_unknown_key_is_an_error_naming_it():
+    with pytest.raises(ConfigError, match="rpr1.no_such_knob|no_such_knob"):
+        small_cfg("rpr1.no_such_knob=3")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("eval.k=0", "eval.k"),
+    ("suites.core=0", "suites.core"),
+    ("baselines.continue_rpr1=-1", "continue_rpr1"),
+    ("device=tpu", "device"),
+    ("seed=abc", "seed"),
+    ("eval.suites=[core,nope]", "nope"),
+    ("rpr1.lr_actor=-1", "lr_actor"),
+])
+def test_bad_value_is_an_error_naming_the_key(override, needle):
+    with pytest.raises(ConfigError) as e:
+        small_cfg(override)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["toy-cpu", "smoke", "gpu-small"])
+def test_presets_load(name):
+    cfg = load_config(RunConfig, pipeline.resolve_preset(name))
+    assert cfg.eval.k == 3
+    assert cfg.rpr1.lr_actor > 0 and cfg.rpr2.lr_actor > 0
+
+
+def test_gpu_preset_names_a_real_model_and_cuda():
+    cfg = load_config(RunConfig, pipeline.resolve_preset("gpu-small"))
+    assert "/" in cfg.base.model and cfg.device.startswith("cuda")
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="toy-cpu"):
+        pipeline.resolve_preset("no-such-preset")
+
+
+def test_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
+    rc = pipeline.cli(["--out", str(tmp_path / "r"), "rpr1.bogus=1"])
+    assert rc == 2
+    assert "bogus" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------- plan
+
+
+def test_plan_wires_actor_and_critic_as_the_paper_does():
+    stages = {s.name: s for s in plan(small_cfg("baselines.continue_rpr1=5"))}
+    assert [s.name for s in plan(small_cfg())][:6] == ["base", "rsr1", "warmup", "rpr1", "rsr2", "rpr2"]
+    assert stages["warmup"].actor_from == "rsr1"
+    assert (stages["rpr1"].actor_from, stages["rpr1"].critic_from) == ("rsr1", "warmup")
+    assert stages["rsr2"].critic_from == "rpr1"  # passes through untouched
+    assert (stages["rpr2"].actor_from, stages["rpr2"].critic_from) == ("rsr2", "rsr2")
+    assert (stages["direct_ppo"].actor_from, stages["direct_ppo"].critic_from) == ("base", None)
+    assert stages["direct_ppo"].config_key == "rpr1"  # same steps and learning rates as RPR-1
+    assert (stages["rpr1_cont"].actor_from, stages["rpr1_cont"].extra_steps) == ("rpr1", 5)
+    assert not stages["direct_ppo"].retained and stages["rpr2"].retained
+
+
+# -------------------------------------------------------------------------------- a full run
+
+
+def test_full_run_writes_every_stage_and_results_schema(tmp_path):
+    cfg = small_cfg("baselines.continue_rpr1=2")
+    runner = FakeRunner()
+    results = run_fake(cfg, tmp_path / "run", runner)
+    run = RunDir(tmp_path / "run")
+    for spec in plan(cfg):
+        d = run.stage(spec)
+        assert (d / "DONE.json").is_file() and (d / "rng.pt").is_file() and (d / "actor").is_dir()
+    assert list(results) == ["base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr1_cont"]
+    assert json.loads(run.results.read_text()) == results
+    for stage, by_suite in results.items():
+        assert list(by_suite) == SUITES
+        for suite, r in by_suite.items():
+            assert 0.0 <= r["mean_at_3"] <= 1.0
+            assert isinstance(r["by_difficulty"], dict)
+            assert ("process_reward" in r) == (suite == "long")
+            assert ("strict_completion" in r) == (suite == "long")
+    # Lineage: RPR-2's actor descends from Base through every retained stage.
+    rpr2 = run.stage(plan(cfg)[5])
+    assert (rpr2 / "actor" / "weights.txt").read_text() == "base;rsr1;rpr1;rsr2;rpr2;"
+    assert (rpr2 / "critic" / "value.txt").read_text() == "fresh;warmup;rpr1;rpr2;"
+    direct = run.stage_by_name(plan(cfg), "direct_ppo")
+    assert (direct / "critic" / "value.txt").read_text() == "fresh;direct_ppo;"
+
+
+def test_rsr_stage_leaves_the_critic_bit_identical(tmp_path):
+    cfg = small_cfg()
+    run_fake(cfg, tmp_path / "run", FakeRunner())
+    run = RunDir(tmp_path / "run")
+    rpr1, rsr2 = run.stage_by_name(plan(cfg), "rpr1"), run.stage_by_name(plan(cfg), "rsr2")
+    a, b = rpr1 / "critic" / "value.txt", rsr2 / "critic" / "value.txt"
+    assert a.read_bytes() == b.read_bytes()
+    assert os.stat(a).st_ino == os.stat(b).st_ino  # a hard link: no copy could differ
+
+
+def test_metrics_jsonl_has_every_update_with_stage_and_step(tmp_path):
+    cfg = small_cfg()
+    run_fake(cfg, tmp_path / "run", FakeRunner())
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [s.name for s in plan(cfg)]
+    assert sorted({(r["stage"], r["step"]) for r in recs}) == sorted((s, i) for s in trained for i in range(3))
+    assert len(recs) == 3 * len(trained)  # no duplicates
+
+
+def test_tensorboard_events_are_written(tmp_path):
+    cfg = small_cfg("baselines.direct_ppo=false")
+    pipeline.run(cfg, tmp_path / "run", runner=FakeRunner(), tensorboard=True)
+    assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+
+
+def test_continuation_starts_from_its_source_optimizer_and_rng(tmp_path):
+    cfg = small_cfg("baselines.continue_rpr1=4")
+    run_fake(cfg, tmp_path / "run", FakeRunner())
+    done = json.loads((RunDir(tmp_path / "run").stage_by_name(plan(cfg), "rpr1_cont") / "DONE.json").read_text())
+    assert done["extra_steps"] == 4
+    assert done["stats"]["inputs"]["optimizer"].endswith("03-rpr1/optimizer.pt")
+    assert done["stats"]["inputs"]["rng"].endswith("03-rpr1/rng.pt")
+
+
+# -------------------------------------------------------------------------------- resume
+
+
+def _snapshot(run_dir: Path, names: list[str]) -> dict[str, tuple[float, bytes]]:
+    out = {}
+    for d in sorted((run_dir / "stages").iterdir()):
+        if any(d.name.endswith(n) for n in names):
+            for f in sorted(d.rglob("*")):
+                if f.is_file():
+                    out[str(f)] = (f.stat().st_mtime_ns, f.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("kill_in, kill_in_eval", [
+    ("rpr1", None),       # inside a stage's training
+    ("warmup", None),     # inside the stage with no evaluation
+    (None, "rsr2"),       # between a stage's training and its evaluation
+])
+def test_resume_after_kill_loses_nothing_finished(tmp_path, kill_in, kill_in_eval):
+    cfg = small_cfg()
+    run_dir = tmp_path / "run"
+    first = FakeRunner(kill_in=kill_in, kill_in_eval=kill_in_eval)
+    with pytest.raises(SimulatedKill):
+        run_fake(cfg, run_dir, first)
+    finished = [s.name for s in plan(cfg) if RunDir(run_dir).done(s)]
+    before = _snapshot(run_dir, finished if kill_in else finished[:-1])
+    second = FakeRunner()
+    results = run_fake(cfg, run_dir, second, resume=True)
+    # Nothing finished was redone or touched; the interrupted unit was.
+    assert not any(c == f"train:{n}" for n in finished for c in second.calls)
+    assert _snapshot(run_dir, finished if kill_in else finished[:-1]) == before
+    if kill_in_eval:
+        assert f"eval:{kill_in_eval}" in second.calls
+    # The same results as a run that was never interrupted, and no duplicate metric lines.
+    assert results == run_fake(cfg, tmp_path / "clean", FakeRunner())
+    clean = (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()
+    resumed = (run_dir / "metrics.jsonl").read_text().splitlines()
+    key = lambda lines: sorted((json.loads(x)["stage"], json.loads(x)["step"]) for x in lines)  # noqa: E731
+    assert key(resumed) == key(clean)
+    assert not list((run_dir / "stages").rglob("half-written.bin"))
+
+
+def test_resume_with_a_different_config_says_what_differs(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SimulatedKill):
+        run_fake(small_cfg(), run_dir, FakeRunner(kill_in="rsr1"))
+    with pytest.raises(ConfigError) as e:
+        run_fake(small_cfg("rpr1.lr_actor=0.5", "eval.k=2"), run_dir, FakeRunner(), resume=True)
+    msg = str(e.value)
+    assert "rpr1.lr_actor" in msg and "eval.k" in msg and "0.5" in msg
+
+
+def test_new_run_refuses_an_existing_run_dir(tmp_path):
+    run_fake(small_cfg("baselines.direct_ppo=false"), tmp_path / "run", FakeRunner())
+    with pytest.raises(ConfigError, match="--resume"):
+        run_fake(small_cfg(), tmp_path / "run", FakeRunner())
+
+
+def test_resume_of_a_non_run_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="not a minirsi run"):
+        run_fake(small_cfg(), tmp_path, FakeRunner(), resume=True)
+
+
+@pytest.mark.parametrize("error, needle", [
+    (OSError(errno.ENOSPC, "No space left on device"), "disk full"),
+    (RuntimeError("SandboxError: the sandbox process died"), "SandboxError"),
+])
+def test_full_disk_or_dead_sandbox_gives_a_resume_message_and_resumes(tmp_path, error, needle):
+    run_dir = tmp_path / "run"
+    cfg = small_cfg("baselines.direct_ppo=false")
+    with pytest.raises(PipelineError) as e:
+        run_fake(cfg, run_dir, FakeRunner(error=error, error_in="rpr1"))
+    assert needle in str(e.value) and f"--resume {run_dir}" in str(e.value) and "03-rpr1" in str(e.value)
+    second = FakeRunner()
+    results = run_fake(cfg, run_dir, second, resume=True)
+    assert "train:rsr1" not in second.calls and "train:rpr1" in second.calls
+    assert set(results) == {"base", "rsr1", "rpr1", "rsr2", "rpr2"}
+
+
+FAKE_SCRIPT = """
+import sys, time
+sys.path[:0] = [{repo!r}, {tests!r}]
+from test_pipeline import FakeRunner, small_cfg
+from minirsi import pipeline
+
+class Blocking(FakeRunner):
+    def train(self, cfg, run, spec, inputs, out, log):
+        if spec.name == "rpr1":
+            log(0, {{"dense_reward": 0.0}})
+            (out / "actor").mkdir()
+            (out / "actor" / "half-written.bin").write_text("partial")
+            open({flag!r}, "w").close()
+            time.sleep(60)
+        return super().train(cfg, run, spec, inputs, out, log)
+
+pipeline.run(small_cfg(), {run_dir!r}, runner=Blocking(), tensorboard=False)
+"""
+
+
+def test_sigkill_mid_stage_then_resume(tmp_path):
+    run_dir, flag = tmp_path / "run", tmp_path / "in-rpr1"
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(FAKE_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests"), flag=str(flag), run_dir=str(run_dir))))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO)
+    try:
+        deadline = time.time() + 60
+        while not flag.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert flag.exists(), "the job never reached RPR-1"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run = RunDir(run_dir)
+    cfg = small_cfg()
+    assert [s.name for s in plan(cfg) if run.done(s)] == ["base", "rsr1", "warmup"]
+    second = FakeRunner()
+    results = run_fake(cfg, run_dir, second, resume=True)
+    assert [c for c in second.calls if c.startswith("train:")][0] == "train:rpr1"
+    assert set(results) == {"base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo"}
+    lines = [json.loads(x) for x in run.metrics.read_text().splitlines()]
+    assert len([x for x in lines if x["stage"] == "rpr1"]) == 3  # the killed attempt's line is gone
+
+
+# -------------------------------------------------------------------------------- the real thing
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smoke_preset_end_to_end_final_stage_beats_base(tmp_path):
+    """CI's end-to-end run: the real stages on the smoke preset (<= 3 minutes here)."""
+    out = tmp_path / "smoke"
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "minirsi.cli", "run", "--preset", "smoke", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=590)
+    wall = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    base, final = results["base"]["core"]["mean_at_3"], results["rpr2"]["core"]["mean_at_3"]
+    print(f"smoke: {wall:.0f} s, Base {base:.3f} -> RPR-2 {final:.3f}")
+    assert final > base
+    assert (out / "report.md").is_file() and (out / "success.png").is_file()
