@@ -1,0 +1,387 @@
+"""TB-GAE (minirsi/tb_gae.py) against its per-token loop and every property of METHOD.md s.4."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minirsi.tb_gae import tb_gae, tb_gae_chunked, tb_gae_reference
+
+SETTINGS = settings(max_examples=120, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def standard_gae(rewards: list[float], values: list[float], gamma: float, lam: float):
+    """Textbook GAE(gamma, lambda) over one trajectory that terminates after its last step."""
+    T = len(rewards)
+    advantages = [0.0] * T
+    next_value, next_advantage = 0.0, 0.0  # terminal: nothing follows the last step
+    for t in reversed(range(T)):
+        delta = rewards[t] + gamma * next_value - values[t]
+        advantages[t] = delta + gamma * lam * next_advantage
+        next_value, next_advantage = values[t], advantages[t]
+    return advantages
+
+
+def tolerance(rewards: torch.Tensor, values: torch.Tensor) -> float:
+    """Absolute tolerance: exact-ish in float64, ~eps32 of the magnitudes in float32."""
+    eps = 1e-12 if values.dtype == torch.float64 else 2e-6
+    scale = 1.0 + float(rewards.abs().sum(dim=1).max()) + float(values.abs().max())
+    return eps * scale * 4
+
+
+def boundaries_between(turns: list[int], mask: list, t: int, n: int) -> int:
+    """Number of turn changes along the action positions t .. n (both actions)."""
+    acts = [u for u in range(t, n + 1) if mask[u]]
+    return sum(turns[a] != turns[b] for a, b in zip(acts, acts[1:]))
+
+
+@st.composite
+def batches(draw, max_B: int = 4, max_T: int = 40, arbitrary_obs_ids: bool | None = None):
+    """Random (rewards, values, action_mask, turn_ids, gamma_turn, lam_turn).
+
+    Random action masks and right padding, turns of random lengths (ids with random gaps,
+    sometimes huge), observation ids either consistent (non-decreasing) or arbitrary, rewards
+    either on every action token or only on the last one, both float dtypes, three mask dtypes.
+    """
+    B = draw(st.integers(1, max_B))
+    T = draw(st.integers(1, max_T))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    p_act = draw(st.sampled_from([0.2, 0.5, 0.8, 1.0]))
+    p_turn = draw(st.sampled_from([0.0, 0.1, 0.3, 1.0]))
+    mask = torch.rand(B, T, generator=gen) < p_act
+    for b in range(B):  # right padding of random length
+        pad = int(torch.randint(0, T + 1, (1,), generator=gen))
+        if pad:
+            mask[b, T - pad:] = False
+    step = draw(st.sampled_from([1, 3, 10**9]))
+    turn_ids = torch.cumsum(torch.rand(B, T, generator=gen) < p_turn, dim=1) * step
+    turn_ids = turn_ids + int(torch.randint(0, 5, (1,), generator=gen))
+    if arbitrary_obs_ids is None:
+        arbitrary_obs_ids = draw(st.booleans())
+    if arbitrary_obs_ids:  # ids off-action carry no meaning
+        turn_ids = torch.where(mask, turn_ids, torch.randint(0, 50, (B, T), generator=gen))
+    values = torch.randn(B, T, generator=gen, dtype=torch.float64) * draw(
+        st.sampled_from([0.0, 1.0, 10.0]))
+    rewards = torch.randn(B, T, generator=gen, dtype=torch.float64) * mask
+    if draw(st.booleans()):  # METHOD.md: one reward, on the last action token
+        keep = torch.zeros_like(mask)
+        for b in range(B):
+            acts = mask[b].nonzero()
+            if len(acts):
+                keep[b, acts[-1]] = True
+        rewards = rewards * keep
+    unit = st.sampled_from([0.0, 1.0]) | st.floats(0.0, 1.0)
+    g, l = draw(unit), draw(unit)
+    mask_dtype = draw(st.sampled_from([torch.bool, torch.float32, torch.long]))
+    return (rewards.to(dtype), values.to(dtype), mask.to(mask_dtype), turn_ids, g, l)
+
+
+# --------------------------------------------------------------------------- vectorised == loop
+
+
+@SETTINGS
+@given(batches())
+def test_matches_per_token_loop(batch):
+    rewards, values, action_mask, turn_ids, g, l = batch
+    A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l)
+    A_ref, R_ref = tb_gae_reference(rewards, values, action_mask, turn_ids, g, l)
+    assert A.dtype == values.dtype and R.dtype == values.dtype
+    tol = tolerance(rewards, values)
+    torch.testing.assert_close(A, A_ref, atol=tol, rtol=0)
+    torch.testing.assert_close(R, R_ref, atol=tol, rtol=0)
+    off = ~action_mask.bool()
+    assert (A[off] == 0).all() and (R[off] == 0).all()
+
+
+def test_long_float32_sequence_keeps_precision():
+    # 20,000 tokens, rewards on every action token, values of size 100: a global float32
+    # cumsum of the deltas would lose ~1e-2 here; the telescoped form stays near eps32.
+    gen = torch.Generator().manual_seed(0)
+    B, T = 2, 20_000
+    mask = torch.rand(B, T, generator=gen) < 0.5
+    turn_ids = torch.cumsum(torch.rand(B, T, generator=gen) < 0.01, dim=1)
+    values = torch.randn(B, T, generator=gen) * 100
+    rewards = torch.rand(B, T, generator=gen) * mask
+    A64, _ = tb_gae_reference(rewards, values, mask, turn_ids, 0.99, 0.95)
+    A32, _ = tb_gae(rewards, values, mask, turn_ids, 0.99, 0.95)
+    err = (A32.double() - A64.double()).abs().max().item()
+    assert err < 1e-7 * float(rewards.abs().sum(dim=1).max() + values.abs().max()) * 4
+
+
+def test_mask_dtypes_agree():
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(3, 30, generator=gen) < 0.5
+    turn_ids = torch.cumsum(torch.rand(3, 30, generator=gen) < 0.2, dim=1)
+    values = torch.randn(3, 30, generator=gen, dtype=torch.float64)
+    rewards = torch.randn(3, 30, generator=gen, dtype=torch.float64) * mask
+    outs = [tb_gae(rewards, values, mask.to(d), turn_ids, 0.9, 0.8) for d in
+            (torch.bool, torch.float32, torch.int32, torch.long)]
+    for A, R in outs[1:]:
+        assert torch.equal(A, outs[0][0]) and torch.equal(R, outs[0][1])
+
+
+# --------------------------------------------------------------------------- hand-worked cases
+
+
+def test_hand_worked_two_turns_with_observation():
+    # tokens:   a0   a1   o    a2      (a = action, o = observation)
+    # turn:     0    0    1    1
+    # r:        0    0    0    1
+    # V:        0.5  0.4  9.0  0.2     (V on the observation is never used)
+    # g = 0.9, l = 0.5
+    # a2 (last):        delta = 1 - 0.2 = 0.8;                     A = 0.8
+    # a1 -> a2 (turn 0 -> 1, boundary):
+    #                   delta = 0 + 0.9*0.2 - 0.4 = -0.22;         A = -0.22 + 0.45*0.8 = 0.14
+    # a0 -> a1 (same turn): delta = 0 + 0.4 - 0.5 = -0.1;           A = -0.1 + 0.14 = 0.04
+    # returns = A + V: a0 0.54, a1 0.54, a2 1.0; the observation gets 0.
+    r = torch.tensor([[0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    V = torch.tensor([[0.5, 0.4, 9.0, 0.2]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 1]])
+    turn = torch.tensor([[0, 0, 1, 1]])
+    A, R = tb_gae(r, V, mask, turn, 0.9, 0.5)
+    torch.testing.assert_close(A, torch.tensor([[0.04, 0.14, 0.0, 0.8]], dtype=torch.float64))
+    torch.testing.assert_close(R, torch.tensor([[0.54, 0.54, 0.0, 1.0]], dtype=torch.float64))
+
+
+def test_hand_worked_three_turns_padding_and_prompt():
+    # tokens:  p    a0   o    a1   o    a2   a2   pad
+    # turn:    0    0    1    1    2    2    2    2
+    # r:       0    0    0    0    0    0    2    0       V = 1 on every action token
+    # g = 1, l = 0.5
+    # a2' (last):  delta = 2 - 1 = 1;                        A = 1
+    # a2 -> a2':   same turn: delta = 0 + 1 - 1 = 0;          A = 0 + 1 = 1
+    # a1 -> a2:    boundary: delta = 0 + 1*1 - 1 = 0;         A = 0 + 0.5*1 = 0.5
+    # a0 -> a1:    boundary: delta = 0;                       A = 0.5*0.5 = 0.25
+    r = torch.tensor([[0, 0, 0, 0, 0, 0, 2.0, 0]])
+    V = torch.tensor([[7.0, 1, 7, 1, 7, 1, 1, 7]])
+    mask = torch.tensor([[0, 1, 0, 1, 0, 1, 1, 0]], dtype=torch.bool)
+    turn = torch.tensor([[0, 0, 1, 1, 2, 2, 2, 2]])
+    A, R = tb_gae(r, V, mask, turn, 1.0, 0.5)
+    torch.testing.assert_close(A, torch.tensor([[0, 0.25, 0, 0.5, 0, 1, 1, 0]]))
+    torch.testing.assert_close(R, torch.tensor([[0, 1.25, 0, 1.5, 0, 2, 2, 0]]))
+
+
+def test_row_without_actions_is_zero():
+    r = torch.zeros(2, 3)
+    V = torch.ones(2, 3)
+    mask = torch.tensor([[0, 0, 0], [0, 1, 0]])
+    A, R = tb_gae(r, V, mask, torch.zeros(2, 3, dtype=torch.long), 0.9, 0.9)
+    # Row 1: the single action has no successor: A = 0 - 1 = -1, R = 0.
+    assert A.tolist() == [[0, 0, 0], [0, -1, 0]] and R.tolist() == [[0, 0, 0], [0, 0, 0]]
+
+
+# --------------------------------------------------------------------------- METHOD.md properties
+
+
+@SETTINGS
+@given(
+    n_boundaries=st.integers(0, 6),
+    tokens_per_turn=st.lists(st.integers(1, 5), min_size=7, max_size=7),
+    obs_per_turn=st.lists(st.integers(0, 6), min_size=7, max_size=7),
+    g=st.floats(0.0, 1.0), l=st.floats(0.0, 1.0), seed=st.integers(0, 1000),
+)
+def test_attenuation_is_gl_pow_B(n_boundaries, tokens_per_turn, obs_per_turn, g, l, seed):
+    # A reward on the last action moves A at an action B boundaries earlier by (g l)^B,
+    # whatever the observation lengths and the number of tokens per turn.
+    mask, turn = [], []
+    for k in range(n_boundaries + 1):
+        if k:
+            mask += [0] * obs_per_turn[k]
+            turn += [k] * obs_per_turn[k]
+        mask += [1] * tokens_per_turn[k]
+        turn += [k] * tokens_per_turn[k]
+    T = len(mask)
+    gen = torch.Generator().manual_seed(seed)
+    V = torch.randn(1, T, generator=gen, dtype=torch.float64)
+    mask_t, turn_t = torch.tensor([mask]), torch.tensor([turn])
+    r0 = torch.zeros(1, T, dtype=torch.float64)
+    r1 = r0.clone()
+    r1[0, T - 1] = 1.0
+    A0, _ = tb_gae(r0, V, mask_t, turn_t, g, l)
+    A1, _ = tb_gae(r1, V, mask_t, turn_t, g, l)
+    credit = (A1 - A0)[0]
+    for t in range(T):
+        if mask[t]:
+            expected = (g * l) ** (n_boundaries - turn[t])
+            assert credit[t].item() == pytest.approx(expected, abs=1e-12)
+
+
+@SETTINGS
+@given(batches(max_B=3, max_T=25, arbitrary_obs_ids=False), st.data())
+def test_inserting_observation_tokens_changes_nothing(batch, data):
+    rewards, values, action_mask, turn_ids, g, l = batch
+    A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l)
+    B, T = values.shape
+    rows, action_pos = [], []
+    for b in range(B):
+        # Insert k_t observation tokens before position t (and at the end, t = T), each with a
+        # random value, reward 0 and the turn id of its left neighbour (keeps ids ordered).
+        counts = data.draw(st.lists(st.integers(0, 3), min_size=T + 1, max_size=T + 1))
+        row = {"r": [], "V": [], "m": [], "turn": []}
+        pos = []
+        for t in range(T + 1):
+            for _ in range(counts[t]):
+                left = int(turn_ids[b, t - 1]) if t else int(turn_ids[b, 0])
+                row["r"].append(0.0)
+                row["V"].append(data.draw(st.floats(-5, 5)))
+                row["m"].append(0)
+                row["turn"].append(left)
+            if t < T:
+                pos.append(len(row["r"]))
+                row["r"].append(float(rewards[b, t]))
+                row["V"].append(float(values[b, t]))
+                row["m"].append(int(bool(action_mask[b, t])))
+                row["turn"].append(int(turn_ids[b, t]))
+        rows.append(row)
+        action_pos.append(pos)
+    T2 = max(len(row["r"]) for row in rows)
+    for row in rows:  # right-pad with non-action tokens
+        n = T2 - len(row["r"])
+        row["r"] += [0.0] * n
+        row["V"] += [0.0] * n
+        row["m"] += [0] * n
+        row["turn"] += [row["turn"][-1]] * n
+    A2, R2 = tb_gae(
+        torch.tensor([row["r"] for row in rows], dtype=values.dtype),
+        torch.tensor([row["V"] for row in rows], dtype=values.dtype),
+        torch.tensor([row["m"] for row in rows]),
+        torch.tensor([row["turn"] for row in rows]), g, l)
+    tol = tolerance(rewards, values) + (1e-12 if values.dtype == torch.float64 else 1e-5)
+    for b in range(B):
+        idx = torch.tensor(action_pos[b])
+        torch.testing.assert_close(A2[b, idx], A[b], atol=tol, rtol=0)
+        torch.testing.assert_close(R2[b, idx], R[b], atol=tol, rtol=0)
+
+
+@SETTINGS
+@given(
+    rewards=st.lists(st.floats(-3, 3), min_size=1, max_size=40), data=st.data(),
+    gamma=st.floats(0.0, 1.0), lam=st.floats(0.0, 1.0),
+)
+def test_each_token_its_own_turn_is_standard_gae(rewards, data, gamma, lam):
+    T = len(rewards)
+    values = data.draw(st.lists(st.floats(-3, 3), min_size=T, max_size=T))
+    A, R = tb_gae(torch.tensor([rewards], dtype=torch.float64),
+                  torch.tensor([values], dtype=torch.float64),
+                  torch.ones(1, T, dtype=torch.bool), torch.arange(T)[None], gamma, lam)
+    expected = standard_gae(rewards, values, gamma, lam)
+    assert A[0].tolist() == pytest.approx(expected, abs=1e-9)
+    assert R[0].tolist() == pytest.approx([a + v for a, v in zip(expected, values)], abs=1e-9)
+
+
+@SETTINGS
+@given(batches(), st.integers(1, 45))
+def test_chunked_equals_whole(batch, chunk_size):
+    rewards, values, action_mask, turn_ids, g, l = batch
+    A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l)
+    A_c, R_c = tb_gae_chunked(rewards, values, action_mask, turn_ids, g, l, chunk_size)
+    # The carry enters as R_n - V_n: one extra rounding of V_n's size in float32.
+    tol = tolerance(rewards, values) * 4
+    torch.testing.assert_close(A_c, A, atol=tol, rtol=0)
+    torch.testing.assert_close(R_c, R, atol=tol, rtol=0)
+
+
+@SETTINGS
+@given(batches(arbitrary_obs_ids=False), st.integers(1, 45))
+def test_reset_at_chunk_edge_errs_by_exactly_gl_pow_B_times_A_n(batch, chunk_size):
+    rewards, values, action_mask, turn_ids, g, l = batch
+    rewards, values = rewards.double(), values.double()
+    A, _ = tb_gae_reference(rewards, values, action_mask, turn_ids, g, l)
+    A_reset, R_reset = tb_gae_chunked(rewards, values, action_mask, turn_ids, g, l,
+                                      chunk_size, reset_at_chunk_edge=True)
+    torch.testing.assert_close(R_reset - A_reset, values * action_mask.bool(), rtol=0,
+                               atol=1e-9)
+    B, T = values.shape
+    mask, turns = action_mask.bool().tolist(), turn_ids.tolist()
+    max_abs_A = A.abs().max().item()
+    for b in range(B):
+        for t in range(T):
+            if not mask[b][t]:
+                continue
+            # Chunks are cut from the right end: [T - cs, T), [T - 2 cs, T - cs), ...
+            edge = T - ((T - 1 - t) // chunk_size) * chunk_size  # first position after t's chunk
+            n = next((u for u in range(edge, T) if mask[b][u]), None)
+            err = (A[b, t] - A_reset[b, t]).item()
+            if n is None:
+                assert err == pytest.approx(0.0, abs=1e-9)
+                continue
+            n_boundaries = boundaries_between(turns[b], mask[b], t, n)
+            expected = (g * l) ** n_boundaries * A[b, n].item()
+            assert err == pytest.approx(expected, abs=1e-9)
+            assert abs(err) <= (g * l) ** n_boundaries * max_abs_A + 1e-9  # the stated bound
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_reward_on_observation_raises_with_position():
+    r = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0, 1]])
+    with pytest.raises(ValueError, match=r"rewards\[0, 2\].*last action token"):
+        tb_gae(r, torch.zeros(1, 4), mask, torch.zeros(1, 4, dtype=torch.long), 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"non-action"):
+        tb_gae_reference(r, torch.zeros(1, 4), mask, torch.zeros(1, 4, dtype=torch.long), 1, 1)
+
+
+def test_decreasing_turn_ids_on_actions_raise():
+    mask = torch.tensor([[1, 0, 1, 1]])
+    turn = torch.tensor([[2, 0, 3, 1]])
+    with pytest.raises(ValueError, match=r"row 0: position 3 has turn 1"):
+        tb_gae(torch.zeros(1, 4), torch.zeros(1, 4), mask, turn, 1.0, 1.0)
+
+
+def test_arbitrary_observation_ids_are_ignored():
+    mask = torch.tensor([[1, 0, 1, 0, 1]])
+    ordered = torch.tensor([[0, 0, 1, 1, 1]])
+    scrambled = torch.tensor([[0, 99, 1, -7, 1]])
+    r = torch.tensor([[0, 0, 0, 0, 1.0]])
+    V = torch.tensor([[0.3, 5, 0.2, 5, 0.1]])
+    assert all(torch.equal(x, y) for x, y in zip(tb_gae(r, V, mask, ordered, 0.9, 0.9),
+                                                 tb_gae(r, V, mask, scrambled, 0.9, 0.9)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gamma_turn=1.5), "gamma_turn=1.5"),
+    (dict(lam_turn=-0.1), "lam_turn=-0.1"),
+    (dict(lam_turn=math.nan), "lam_turn=nan"),
+])
+def test_bad_scalars_raise(kwargs, match):
+    args = dict(gamma_turn=1.0, lam_turn=1.0) | kwargs
+    with pytest.raises(ValueError, match=match):
+        tb_gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
+               torch.zeros(1, 2, dtype=torch.long), **args)
+
+
+def test_bad_shapes_and_dtypes_raise():
+    z = torch.zeros(1, 3)
+    turn = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="action_mask has shape"):
+        tb_gae(z, z, torch.ones(1, 2), turn, 1, 1)
+    with pytest.raises(ValueError, match="turn_ids.long"):
+        tb_gae(z, z, torch.ones(1, 3), z, 1, 1)
+    with pytest.raises(ValueError, match="float32 or float64"):
+        tb_gae(z, turn, torch.ones(1, 3), turn, 1, 1)
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        tb_gae_chunked(z, z, torch.ones(1, 3), turn, 1, 1, chunk_size=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_matches_cpu():
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(4, 500, generator=gen) < 0.5
+    turn_ids = torch.cumsum(torch.rand(4, 500, generator=gen) < 0.05, dim=1)
+    values = torch.randn(4, 500, generator=gen)
+    rewards = torch.randn(4, 500, generator=gen) * mask
+    A, R = tb_gae(rewards, values, mask, turn_ids, 0.99, 0.95)
+    A_cuda, R_cuda = tb_gae(*(x.cuda() for x in (rewards, values, mask, turn_ids)), 0.99, 0.95)
+    torch.testing.assert_close(A_cuda.cpu(), A, atol=1e-4, rtol=0)
+    torch.testing.assert_close(R_cuda.cpu(), R, atol=1e-4, rtol=0)
