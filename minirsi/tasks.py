@@ -150,7 +150,9 @@ def _positive(path: Path, field_name: str, value: Any, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TaskError(path, field_name, f"must be a positive number of seconds, got {value!r}", f"set {field_name} = {default}")
+        section, _, key = field_name.rpartition(".")
+        where = f" under [{section}]" if section else ""
+        raise TaskError(path, field_name, f"must be a positive number, got {value!r}", f"write {key} = {default}{where}")
     return float(value)
 
 

@@ -95,6 +95,8 @@ def parse_junit(xml_bytes: bytes) -> tuple[dict[str, str], set[str]]:
     hygiene: set[str] = set()
     for case in root.iter("testcase"):
         parts = [p for p in (case.get("classname") or "").split(".") if p]
+        if not parts:  # a collection error of a whole file, not a check; static_checks fills in
+            continue
         if len(parts) > 1 and parts[0] == "tests":  # rootdir above /tests
             parts = parts[1:]
         name = "::".join([*parts, str(case.get("name"))])
@@ -184,11 +186,15 @@ def verify(sandbox: Sandbox, task: Task) -> VerifierResult:
             errors.append(f"junit.xml is not valid XML ({e})")
     else:
         errors.append("no /logs/verifier/junit.xml (run pytest with --junitxml=/logs/verifier/junit.xml)")
+    missing = 0
     for name, is_hygiene in static_checks(task.tests_dir).items():
         if not any(c == name or c.startswith(name + "[") for c in checks):
             checks[name] = "error"  # declared but never ran: still one of the C checks
+            missing += 1
             if is_hygiene:
                 hygiene.add(name)
+    if missing:
+        errors.append(f"{missing} declared check(s) did not run (a collection error, or test.sh stopped early)")
     counted = {name: outcome for name, outcome in checks.items() if name not in hygiene}
     passed = sum(outcome == "passed" for outcome in counted.values())
     if task.layout == "tb1" and "reward.txt" not in run.files:

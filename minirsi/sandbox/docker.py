@@ -192,9 +192,11 @@ class DockerSandbox(ShellSandbox):
                 self.container.put_archive(task.workdir, _tar(files))
         self._root(f"chown -R 1000:1000 {wd}")
         if task.setup_script is not None:
-            self.container.put_archive("/tmp", _tar({"minirsi-setup.sh": task.setup_script}, 0o755))
-            out, code, timed_out = self._exec_once(["bash", "/tmp/minirsi-setup.sh"], {}, task.setup_timeout_sec)
-            self._root("rm -f /tmp/minirsi-setup.sh")
+            # Not /tmp: put_archive writes beneath the container's tmpfs mount, where bash cannot see it.
+            self._root("mkdir -p /opt/minirsi")
+            self.container.put_archive("/opt/minirsi", _tar({"setup.sh": task.setup_script}, 0o755))
+            out, code, timed_out = self._exec_once(["bash", "/opt/minirsi/setup.sh"], {}, task.setup_timeout_sec)
+            self._root("rm -rf /opt/minirsi")
             if timed_out or code != 0:
                 raise SandboxError(f"task {task.task_id}: setup script {'timed out' if timed_out else f'exited {code}'}: {out[-2000:]}")
 

@@ -41,6 +41,8 @@ done
 """
 # Seconds a killed command gets to let the driver print its marker before the shell is replaced.
 KILL_GRACE_SEC = 1.0
+# Seconds between kill rounds while a timed-out command line winds down.
+KILL_INTERVAL_SEC = 0.05
 # Seconds a fresh jail gets to print its ready line.
 START_TIMEOUT_SEC = 30.0
 # Respawns allowed per episode before the sandbox counts as broken.
@@ -197,7 +199,7 @@ class ShellSandbox:
         buf = self._pending
         self._pending = bytearray()
         timed_out = False
-        grace_deadline = 0.0
+        grace_deadline = next_kill = 0.0
         notes: list[str] = []
         while True:
             idx = buf.find(marker)
@@ -218,9 +220,13 @@ class ShellSandbox:
             now = time.monotonic()
             if not timed_out and now >= deadline:
                 timed_out = True
-                self._kill_agent_processes()
                 grace_deadline = now + KILL_GRACE_SEC
                 notes.append("[minirsi: the command timed out; every process it started was killed]")
+            if timed_out and now >= next_kill:
+                # Kill again and again until the driver prints its marker: the rest of the command
+                # line (`sleep 1; sleep 1`) must not start new processes after the timeout.
+                self._kill_agent_processes()
+                next_kill = time.monotonic() + KILL_INTERVAL_SEC
             if timed_out and now >= grace_deadline:
                 # The shell itself is busy (a builtin loop): replace it, keeping the cwd.
                 self._kill_jail()
@@ -228,7 +234,7 @@ class ShellSandbox:
                 cap.add(bytes(buf))
                 notes.append(f"[minirsi: the shell was stuck and was replaced; a new shell starts in {self._cwd}, shell variables were lost]")
                 return self._result(cap, None, True, notes)
-            chunk = self._read(max(0.0, (grace_deadline if timed_out else deadline) - now))
+            chunk = self._read(max(0.0, (min(grace_deadline, next_kill) if timed_out else deadline) - now))
             if chunk is None:  # the driver ended: `exit`, `set -e`, kill -9 -1, out of memory
                 cap.add(bytes(buf))
                 code = self._exit_status()

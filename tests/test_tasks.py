@@ -1,0 +1,126 @@
+"""Task loading: the Harbor / TB2 layout, the TB1 layout, and errors that name file, field, fix."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minirsi.tasks import DIFFICULTIES, Task, TaskError, _parse_size_mb, load_task, load_tasks
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
+
+
+def test_harbor_task_fields():
+    task = load_task(FIXTURES / "good" / "hello")
+    assert task.task_id == "hello"
+    assert task.family == "files" and task.difficulty == "easy" and task.tags == ("fixture",)
+    assert task.agent_timeout_sec == 60.0 and task.verifier_timeout_sec == 30.0
+    assert task.workdir == "/app" and task.layout == "harbor"
+    assert task.instruction.startswith("Write the word")
+    assert task.test_script.name == "test.sh" and task.solution_script.name == "solve.sh"
+    assert task.dockerfile is None and task.setup_script is None
+
+
+def test_setup_and_custom_workdir():
+    task = load_task(FIXTURES / "good" / "with_setup")
+    assert task.workdir == "/home/agent/project"
+    assert task.setup_script == task.path / "environment" / "setup.sh"
+
+
+def test_tb1_layout():
+    task = load_task(FIXTURES / "good" / "tb1_task")
+    assert task.layout == "tb1" and task.family == "files" and task.agent_timeout_sec == 60
+    assert task.test_script.name == "run-tests.sh" and task.solution_script.name == "solution.sh"
+    assert task.verifier_env == {"TEST_DIR": "/tests"}
+
+
+def test_dockerfile_is_seen():
+    task = load_task(FIXTURES / "docker_only" / "with_dockerfile")
+    assert task.dockerfile is not None and task.memory_mb == 1024
+
+
+EXPECTED_ERRORS = {
+    "bad_difficulty": ("task.toml", "metadata.difficulty"),
+    "bad_toml": ("task.toml", "(syntax)"),
+    "no_category": ("task.toml", "metadata.category"),
+    "no_test_sh": ("test.sh", "(file)"),
+    "bad_workdir": ("task.toml", "environment.workdir"),
+    "bad_timeout": ("task.toml", "agent.timeout_sec"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ERRORS))
+def test_malformed_task_names_file_field_and_fix(name):
+    file_name, field_name = EXPECTED_ERRORS[name]
+    with pytest.raises(TaskError) as info:
+        load_task(FIXTURES / "malformed" / name)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.path.name == file_name and err.field_name == field_name
+    assert file_name in str(err) and field_name in str(err) and "Fix:" in str(err)
+
+
+def test_load_tasks_keeps_good_and_reports_bad(tmp_path):
+    for src in ["good/hello", "good/with_setup", "malformed/bad_toml", "malformed/no_category"]:
+        shutil.copytree(FIXTURES / src, tmp_path / Path(src).name)
+    (tmp_path / "not_a_task").mkdir()  # ignored: no task files
+    tasks, errors = load_tasks(tmp_path)
+    assert [t.task_id for t in tasks] == ["hello", "with_setup"]
+    assert sorted(e.path.parent.name for e in errors) == ["bad_toml", "no_category"]
+
+
+def test_load_tasks_on_a_single_task_dir():
+    tasks, errors = load_tasks(FIXTURES / "good" / "hello")
+    assert [t.task_id for t in tasks] == ["hello"] and errors == []
+
+
+def test_missing_instruction(tmp_path):
+    shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
+    (tmp_path / "t" / "instruction.md").unlink()
+    with pytest.raises(TaskError, match="instruction.md"):
+        load_task(tmp_path / "t")
+
+
+@pytest.mark.parametrize("line, field_name", [
+    ('workdir = "/tests/x"', "environment.workdir"),
+    ('workdir = "/"', "environment.workdir"),
+    ('setup = "nope.sh"', "environment.setup"),
+    ('memory = "lots"', "environment.memory"),
+    ("runs_on_base = 1", "environment.runs_on_base"),
+])
+def test_bad_environment_fields(tmp_path, line, field_name):
+    shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text(toml.read_text().replace('workdir = "/app"', line))
+    with pytest.raises(TaskError) as info:
+        load_task(tmp_path / "t")
+    assert info.value.field_name == field_name
+
+
+def test_task_is_frozen():
+    task = load_task(FIXTURES / "good" / "hello")
+    with pytest.raises(Exception):
+        task.family = "other"  # type: ignore[misc]
+    assert isinstance(task, Task)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(min_size=1, max_size=12).filter(lambda s: s not in DIFFICULTIES and '"' not in s and "\\" not in s
+                                                 and all(c.isprintable() for c in s)))
+def test_any_unknown_difficulty_is_rejected(tmp_path_factory, difficulty):
+    d = tmp_path_factory.mktemp("t")
+    shutil.copytree(FIXTURES / "good" / "hello", d / "t")
+    toml = d / "t" / "task.toml"
+    toml.write_text(toml.read_text().replace('difficulty = "easy"', f'difficulty = "{difficulty}"'))
+    with pytest.raises(TaskError, match="metadata.difficulty"):
+        load_task(d / "t")
+
+
+@given(st.integers(1, 10_000), st.sampled_from(["M", "G", "Mb", "gb", "m"]))
+def test_size_parsing(n, unit):
+    mb = _parse_size_mb(Path("task.toml"), "environment.memory", f"{n}{unit}")
+    assert mb == (n * 1024 if unit.lower().startswith("g") else n)
