@@ -255,7 +255,7 @@ def test_source(inst: Instance) -> str:
         allowed = sorted(_allowed_names(inst))
         checks.append(("no_other_files", Check(
             "no_other_files",
-            f"allowed = {set(allowed)!r}\nstray = sorted(set(os.listdir(APP)) - allowed)\n"
+            f"allowed = set({allowed!r})\nstray = sorted(set(os.listdir(APP)) - allowed)\n"
             "assert not stray, f\"files not asked for: {stray}\"",
             hygiene=True,
         )))

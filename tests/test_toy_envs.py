@@ -1,0 +1,299 @@
+"""toy_envs: the generated tasks load, their oracles pass, empty runs fail with P < C, train and
+evaluation instances are disjoint, generation is deterministic, and the pretraining corpus is
+well-formed, drawn only from training families, and truthful about which sessions solve.
+
+The sandbox tests use minirsi's own bubblewrap sandbox and verifier (skipped where bwrap or the
+rootfs is missing); the fast ones run one task per (family, difficulty), the exhaustive one is
+marked slow.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import toy_envs
+from toy_envs import corpus
+from toy_envs.base import DIFFICULTIES, build_instance, write_task
+from toy_envs.families import FAMILIES, TRAIN_FAMILIES, UNSEEN_FAMILIES
+from toy_envs.suites import SAMPLES, content_key, split_of, suite_instances
+
+SAMPLES_DIR = Path(toy_envs.__file__).parent / "samples"
+
+
+def _sandbox_ready() -> bool:
+    if shutil.which("bwrap") is None:
+        return False
+    from minirsi.sandbox.bwrap import default_rootfs
+
+    return (Path(default_rootfs()) / "usr/bin/python3").exists()
+
+
+needs_sandbox = pytest.mark.skipif(not _sandbox_ready(), reason="bwrap or the sandbox rootfs is missing (scripts/setup.sh)")
+
+
+@pytest.fixture
+def task_root():
+    """A task directory the sandbox's unprivileged user can traverse. pytest's tmp_path sits
+    under a 0700 directory, from which bwrap cannot bind a task's set-up script (git tasks)."""
+    root = Path(tempfile.mkdtemp(prefix="toy_envs_test_"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(task_dir: Path, commands: list[str] | None = None, oracle: bool = False):
+    """Open a sandbox, act (oracle script, or the given commands one per call), verify."""
+    from minirsi.sandbox import open_sandbox
+    from minirsi.tasks import load_task
+    from minirsi.verifier import verify
+
+    task = load_task(task_dir)
+    with open_sandbox(task) as sb:
+        if oracle:
+            r = sb.run("bash -c " + shlex.quote((task_dir / "solution" / "solve.sh").read_text()), 60)
+            assert r.exit_code == 0, f"{task_dir.name}: oracle failed: {r.output}"
+        for c in commands or []:
+            sb.run(c, 30)
+        return verify(sb, task)
+
+
+def _check_oracle_and_empty(task_dir: Path) -> None:
+    done = _run(task_dir, oracle=True)
+    assert done.success and done.passed == done.total > 0, f"{task_dir.name}: oracle {done}"
+    empty = _run(task_dir)
+    assert not empty.success and empty.passed < empty.total, f"{task_dir.name}: empty run {empty}"
+
+
+def _cover(instances):
+    """A few instances that together use every step kind of every family, every difficulty
+    and the long tag (greedy set cover), so the fast sandbox test exercises every template."""
+    def items(inst):
+        return {(inst.family.name, k) for k, _ in inst.key[3]} | {inst.difficulty, inst.tags, inst.strict}
+
+    need = set().union(*(items(i) for i in instances))
+    out = []
+    while need:
+        best = max(instances, key=lambda i: len(items(i) & need))
+        out.append(best)
+        need -= items(best)
+    return out
+
+
+# ----------------------------------------------------------------------------- generator
+
+
+def test_suites_and_families():
+    assert toy_envs.list_suites() == ["train", "core", "hard", "long", "unseen"]
+    assert len(TRAIN_FAMILIES) >= 6 and len(UNSEEN_FAMILIES) >= 2
+    assert set(TRAIN_FAMILIES).isdisjoint(UNSEEN_FAMILIES)
+    with pytest.raises(ValueError, match="unknown suite"):
+        toy_envs.generate_suite("nope", "/tmp/never")
+
+
+def test_core_covers_every_family_and_difficulty():
+    cells = {(i.family.name, i.difficulty) for i in suite_instances("core")}
+    assert cells == {(f, d) for f in TRAIN_FAMILIES for d in DIFFICULTIES}
+    assert {i.difficulty for i in suite_instances("hard")} == {"hard", "extreme"}
+    assert {i.family.name for i in suite_instances("unseen")} == set(UNSEEN_FAMILIES)
+
+
+def test_difficulty_is_the_number_of_commands():
+    want = {"easy": {1}, "medium": {2}, "hard": {3, 4}, "extreme": {5, 6}}
+    for inst in suite_instances("train", n=120) + suite_instances("core"):
+        assert len(inst.commands) in want[inst.difficulty], inst.task_id
+    for inst in suite_instances("long"):
+        assert 8 <= len(inst.commands) <= 10 and "long" in inst.tags
+        assert sum(len(s.checks) for s in inst.steps) >= 14  # many checks: process reward P/C
+
+
+def test_every_task_has_several_checks_and_some_gates_are_stricter():
+    insts = [i for s in toy_envs.list_suites() for i in suite_instances(s, n=40 if s == "train" else None)]
+    for inst in insts:
+        assert sum(len(s.checks) for s in inst.steps) >= 2, inst.task_id
+    strict = [i for i in insts if i.strict]
+    assert 0.15 * len(insts) < len(strict) < 0.6 * len(insts)
+    assert {i.family.name for i in strict} >= set(TRAIN_FAMILIES)
+
+
+def test_generation_is_deterministic_and_a_smaller_n_is_a_prefix(tmp_path):
+    a = toy_envs.generate_suite("core", tmp_path / "a", n=8, seed=3)
+    b = toy_envs.generate_suite("core", tmp_path / "b", n=8, seed=3)
+    assert [p.name for p in a] == [p.name for p in b]
+    for pa, pb in zip(a, b):
+        cmp = filecmp.dircmp(pa, pb)
+        assert not (cmp.diff_files or cmp.left_only or cmp.right_only)
+        for sub in ("environment", "tests", "solution"):
+            c = filecmp.dircmp(pa / sub, pb / sub)
+            assert not (c.diff_files or c.left_only or c.right_only), (pa, sub)
+    assert [p.name for p in a[:5]] == [p.name for p in toy_envs.generate_suite("core", tmp_path / "c", n=5, seed=3)]
+    other = {p.name for p in toy_envs.generate_suite("core", tmp_path / "d", n=8, seed=4)}
+    assert other != {p.name for p in a}
+
+
+def test_committed_samples_are_what_the_generator_writes(tmp_path):
+    """toy_envs/samples cannot rot: regenerate them and compare every file, bytes and x bit."""
+    for suite, n in SAMPLES.items():
+        fresh = toy_envs.generate_suite(suite, tmp_path / suite, n=n, seed=0)
+        committed = sorted(p.name for p in (SAMPLES_DIR / suite).iterdir())
+        assert committed == sorted(p.name for p in fresh), f"rerun: python -m toy_envs samples {SAMPLES_DIR}"
+        for task in fresh:
+            for f in task.rglob("*"):
+                if f.is_file():
+                    g = SAMPLES_DIR / suite / f.relative_to(tmp_path / suite)
+                    assert g.read_bytes() == f.read_bytes(), g
+                    assert os.access(g, os.X_OK) == os.access(f, os.X_OK), g
+
+
+def test_cli_writes_a_suite(tmp_path):
+    from toy_envs.__main__ import main
+
+    assert main(["unseen", str(tmp_path), "--n", "3", "--seed", "1"]) == 0
+    assert len(list(tmp_path.iterdir())) == 3
+    assert main(["core", str(tmp_path / "x"), "--n", "0"]) == 2
+
+
+def test_every_generated_task_loads(tmp_path):
+    from minirsi.tasks import load_tasks
+
+    for suite in toy_envs.list_suites():
+        paths = toy_envs.generate_suite(suite, tmp_path / suite, n=60 if suite == "train" else None)
+        tasks, errors = load_tasks(tmp_path / suite)
+        assert errors == [] and len(tasks) == len(paths), errors
+        for t in tasks:
+            assert t.family in FAMILIES and t.difficulty in DIFFICULTIES and t.workdir == "/app"
+            assert t.instruction.strip() and (t.path / "solution" / "solve.sh").is_file()
+
+
+# ----------------------------------------------------------------------------- disjointness
+
+
+def test_train_and_evaluation_instances_are_disjoint():
+    train = suite_instances("train")
+    evals = [i for s in ("core", "hard", "long") for i in suite_instances(s)]
+    train_keys = {content_key(i.key) for i in train}
+    eval_keys = {content_key(i.key) for i in evals}
+    assert train_keys.isdisjoint(eval_keys)
+    assert {i.task_id for i in train}.isdisjoint(i.task_id for i in evals)
+    assert all(split_of(i.key) == "train" for i in train)
+    assert all(split_of(i.key) == "eval" for i in evals)
+    assert {i.family.name for i in train} == set(TRAIN_FAMILIES)
+    assert len(train_keys) == len(train)  # no duplicates inside the pool either
+    # the held-out side is real: the same phrasings, new combinations
+    assert {i.family.name for i in evals} == set(TRAIN_FAMILIES)
+
+
+def test_split_ignores_step_order_and_strictness():
+    inst = next(i for i in suite_instances("core") if len(i.key[3]) >= 2)
+    family, difficulty, strict, steps = inst.key
+    flipped = build_instance(FAMILIES[family], difficulty, not strict, tuple(reversed(steps)))
+    assert split_of(flipped.key) == split_of(inst.key) == "eval"
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_corpus_never_contains_an_evaluation_instance_or_an_unseen_family(seed):
+    eval_keys = {content_key(i.key) for s in ("core", "hard", "long") for i in suite_instances(s)}
+    for s in corpus.sessions(150, seed=seed):
+        assert s.family in TRAIN_FAMILIES
+        assert split_of(s.key) == "train" and content_key(s.key) not in eval_keys
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def test_corpus_sessions_are_well_formed_and_deterministic():
+    a = corpus.sessions(400, seed=1, noise=0.3)
+    assert [(s.instruction, s.turns) for s in a] == [(s.instruction, s.turns) for s in corpus.sessions(400, seed=1, noise=0.3)]
+    for s in a:
+        assert isinstance(s, corpus.Session) and s.instruction.endswith("\n")
+        assert s.difficulty in DIFFICULTIES and s.noise in (None, *corpus.NOISE_WEIGHTS)
+        for t in s.turns:
+            assert isinstance(t, corpus.Turn) and isinstance(t.commands, str) and t.commands.strip()
+            assert isinstance(t.output, str) and isinstance(t.exit_code, int)
+            assert "\n" not in t.commands  # one command per turn
+        if s.noise is None:
+            assert s.solved and all(t.exit_code == 0 for t in s.turns)
+    noisy = sum(s.noise is not None for s in a) / len(a)
+    assert 0.2 < noisy < 0.4
+    assert any(t.exit_code != 0 for s in a if s.noise == "retry" for t in s.turns)
+    assert any(t.output for s in a for t in s.turns)  # ls / cat / git print something
+
+
+def test_clean_sessions_are_the_oracle_commands():
+    for s in corpus.sessions(200, seed=2, noise=0.0, explore=0.0):
+        family, difficulty, strict, steps = s.key
+        inst = build_instance(FAMILIES[family], difficulty, strict, steps)
+        assert [t.commands for t in s.turns] == [c.text for c in inst.commands]
+        assert s.instruction == inst.instruction
+
+
+def test_corpus_rejects_bad_knobs():
+    with pytest.raises(ValueError, match="noise"):
+        corpus.sessions(3, noise=1.5)
+    with pytest.raises(ValueError, match="unknown difficulties"):
+        corpus.sessions(3, difficulty_weights={"trivial": 1.0})
+
+
+@needs_sandbox
+def test_corpus_solved_flag_is_true_in_the_sandbox(task_root):
+    """Replaying a session's commands passes the verifier iff the session says it is solved."""
+    picked, kinds = [], set()
+    for s in corpus.sessions(300, seed=5, noise=0.6, explore=0.3):
+        if (s.noise, s.family) not in kinds:
+            kinds.add((s.noise, s.family))
+            picked.append(s)
+    picked = picked[:12]
+    assert {s.solved for s in picked} == {True, False}
+    for s in picked:
+        family, difficulty, strict, steps = s.key
+        task = write_task(build_instance(FAMILIES[family], difficulty, strict, steps), task_root)
+        r = _run(task, [t.commands for t in s.turns])
+        assert r.success == s.solved, (s.noise, s.instruction, [t.commands for t in s.turns], r)
+
+
+# ----------------------------------------------------------------------------- sandbox
+
+
+@needs_sandbox
+def test_oracle_passes_and_empty_run_fails_on_every_step_kind(task_root):
+    insts = [i for s in ("core", "hard", "unseen") for i in suite_instances(s, n=72)] + suite_instances("long", n=2)
+    picked = _cover(insts)
+    kinds = {(i.family.name, k) for i in picked for k, _ in i.key[3]}
+    assert kinds == {(f.name, k.name) for f in FAMILIES.values() for k in f.kinds}
+    for inst in picked:
+        _check_oracle_and_empty(write_task(inst, task_root))
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_committed_samples_pass_their_oracle():
+    for task in sorted(SAMPLES_DIR.glob("*/*")):
+        _check_oracle_and_empty(task)
+
+
+@needs_sandbox
+def test_strict_gate_fails_a_run_that_passes_every_check(task_root):
+    """The paper's 48 runs: P = C, yet S = 0 (a file the instruction forbade)."""
+    inst = next(i for i in suite_instances("core") if i.strict)
+    task = write_task(inst, task_root)
+    commands = [c.text for c in inst.commands] + ["echo scratch > notes.txt"]
+    r = _run(task, commands)
+    assert r.passed == r.total > 0 and not r.success
+    assert any("no_other_files" in k and v == "failed" for k, v in r.checks.items())
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_every_evaluation_task_and_a_train_slice_pass_oracle_and_fail_empty(task_root):
+    for suite in toy_envs.list_suites():
+        for task in toy_envs.generate_suite(suite, task_root / suite, n=60 if suite == "train" else None):
+            _check_oracle_and_empty(task)
