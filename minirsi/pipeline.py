@@ -657,21 +657,15 @@ def _progress(stages: Sequence[StageSpec]) -> Iterator[StageSpec]:
 
 
 def count_checks(task: Any) -> int:
-    """C of a task without running it: the non-hygiene ``test_*`` functions of its
-    ``tests/test_outputs.py`` (parsed, not imported). Used only for the FDR calibration D_f,
-    before any rollout exists; a parametrised test counts once here (toy tasks have none)."""
-    import ast
+    """C of a task without running it: its non-hygiene checks as ``verifier.static_checks`` reads
+    them from tests/test_*.py. Used only for the FDR calibration D_f, before any rollout exists."""
+    from minirsi.verifier import static_checks
 
-    path = Path(task.path) / "tests" / "test_outputs.py"
-    if not path.is_file():
-        raise ValueError(f"task {task.task_id}: {path} not found; FDR calibration counts its checks")
-    tree = ast.parse(path.read_text(), filename=str(path))
-
-    def hygiene(fn: ast.FunctionDef) -> bool:
-        return any("hygiene" in ast.unparse(d) for d in fn.decorator_list)
-
-    fns = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
-    return sum(1 for fn in fns if not hygiene(fn))
+    checks = static_checks(Path(task.path) / "tests")
+    if not checks:
+        raise ValueError(f"task {task.task_id}: no test_* function under {task.path}/tests; FDR calibration "
+                         f"counts its checks (C)")
+    return sum(1 for hygiene in checks.values() if not hygiene)
 
 
 class RecipeRunner:
