@@ -11,11 +11,13 @@ episode reward on the last action token. Prints, all measured in this one run:
   ``--loop-tokens`` tokens per row and scaled linearly to T; target speed-up >= 100;
 - the largest |difference| between float32 TB-GAE and the float64 result on the full batch.
 
-Timings are the minimum over ``--repeats`` runs (the least disturbed by other processes).
+Timings are the minimum over ``--repeats`` interleaved runs (the least disturbed by other
+processes).
 
 Run::
 
     python bench/tb_gae.py                      # CPU, defaults above
+    python bench/tb_gae.py --threads 1          # one CPU thread (steadier on a busy machine)
     python bench/tb_gae.py --device cuda        # the same on a GPU
 """
 
@@ -61,15 +63,19 @@ def make_batch(B: int, T: int, turns: int, seed: int = 0, device: str = "cpu"):
     return [x.to(device) for x in (rewards, values, action_mask, turn_ids)]
 
 
-def best_time(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def best_times(fns, repeats: int, sync) -> list[float]:
+    """Minimum wall time of each function; the runs are interleaved so that both see the same
+    machine (other processes come and go)."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
         fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
+    sync()
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -84,16 +90,21 @@ def main() -> None:
     p.add_argument("--gamma-turn", type=float, default=0.99)
     p.add_argument("--lam-turn", type=float, default=0.95)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's). On a shared machine use 1: "
+                        "with more, every parallel op waits for its slowest thread")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     rewards, values, action_mask, turn_ids = make_batch(
         args.batch, args.tokens, args.turns, device=args.device)
     g, l = args.gamma_turn, args.lam_turn
 
-    t_floor = best_time(lambda: values.flip(1).cumsum(1).flip(1), args.repeats, sync)
-    t_gae = best_time(lambda: tb_gae(rewards, values, action_mask, turn_ids, g, l),
-                      args.repeats, sync)
+    t_floor, t_gae = best_times(
+        [lambda: values.flip(1).cumsum(1).flip(1),
+         lambda: tb_gae(rewards, values, action_mask, turn_ids, g, l)], args.repeats, sync)
 
     L = min(args.loop_tokens, args.tokens)
     prefix = [x[:, :L] for x in (rewards, values, action_mask, turn_ids)]
