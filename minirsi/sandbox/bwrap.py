@@ -2,7 +2,7 @@
 
 The jail of one episode::
 
-    /              a tmpfs; every top-level entry of $MINIRSI_ROOTFS bound read-only into it
+    /              a read-only tmpfs; every top-level entry of $MINIRSI_ROOTFS bound read-only into it
     /proc /dev     fresh (new pid namespace: the agent sees only its own processes)
     /tmp           a fresh tmpfs (tmp_size_mb)
     <workdir>      read-write: a fresh host copy of environment/ (minus Dockerfile and setup)
@@ -240,7 +240,10 @@ class BwrapSandbox(ShellSandbox):
                                    "Fix: choose a workdir whose first component is not in the rootfs (e.g. /app)")
         args += ["--proc", "/proc", "--dev", "/dev", "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/tmp",
                  "--ro-bind", str(self._dir / "passwd"), "/etc/passwd", "--ro-bind", str(self._dir / "group"), "/etc/group",
-                 "--bind", str(self.workdir_host), workdir, *binds, "--chdir", workdir, *command]
+                 "--bind", str(self.workdir_host), workdir, *binds,
+                 # bwrap's root is a tmpfs the sandbox uid owns: make it read-only (no writes to
+                 # /x, /home, /opt; no filling memory through it).
+                 "--remount-ro", "/", "--chdir", workdir, *command]
         limits = [f"--nproc={self._nproc()}", f"--as={self.memory_mb << 20}", f"--fsize={self.file_size_mb << 20}",
                   "--core=0", "--nofile=1024"]
         if not self._as_root:
