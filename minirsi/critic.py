@@ -258,12 +258,13 @@ def warmup_critic(
     if optimizer is None:
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.lr_critic, weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed)
+    device = critic.head.weight.device
     critic.train()
     evs = []
     for micro in minibatches(len(episodes), cfg.minibatch_size, cfg.grad_accum, gen):
         parts = []
         for idx in micro:
-            b = collate([episodes[i] for i in idx], [rewards[i] for i in idx], pad_id=pad_id)
+            b = collate([episodes[i] for i in idx], [rewards[i] for i in idx], pad_id=pad_id, device=device)
             b["old_values"] = compute_values(critic, b, chunk=len(idx))
             _, b["returns"] = tb_gae(b["rewards"], b["old_values"], b["action_mask"], b["turn_ids"],
                                      cfg.gamma_turn, cfg.lam_turn)

@@ -287,7 +287,7 @@ def prepare_batch(
     """
     from minirsi.tb_gae import tb_gae  # the "math" helper's module
 
-    batch = collate(episodes, rewards, pad_id=pad_id)
+    batch = collate(episodes, rewards, pad_id=pad_id, device=next(actor.parameters()).device)
     batch["sampler_logprobs"] = batch.pop("old_logprobs")
     was_training = actor.training
     actor.eval()  # no dropout in the "old policy"; restored below
@@ -408,7 +408,8 @@ def task_stream(tasks: Sequence[Any], n: int, seed: int) -> Iterator[list[Any]]:
         yield out
 
 
-def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[..., Any] | None = None) -> RolloutFn:
+def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[..., Any] | None = None,
+                    progress: bool = True) -> RolloutFn:
     """The default rollout: an ``HFSampler`` on the current actor, then ``rollout.collect``.
 
     ``rollout_cfg`` is the rollout helper's config (turn limit, max tokens, backend...); its
@@ -426,7 +427,7 @@ def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[
         was_training = actor.training
         actor.eval()
         try:
-            return rollout.collect(list(tasks), factory(actor, tokenizer), tokenizer, cfg)
+            return rollout.collect(list(tasks), factory(actor, tokenizer), tokenizer, cfg, progress=progress)
         finally:
             actor.train(was_training)
 
@@ -444,15 +445,19 @@ def run_rpr(
     log_fn: Callable[[dict[str, Any]], None] | None = None,
     ref_model: nn.Module | None = None,
     scales_prime: dict[str, float] | None = None,
+    optimizers: Optimizers | None = None,
 ) -> list[dict[str, Any]]:
     """One RPR phase: ``cfg.critic_calibration_updates`` critic-only steps, then ``cfg.steps``
     joint PPO steps. Updates ``actor`` and ``critic`` in place; returns one metrics dict per
-    step (``phase`` = "calibrate" | "joint"), each also passed to ``log_fn``."""
+    step (``phase`` = "calibrate" | "joint"), each also passed to ``log_fn``.
+
+    ``optimizers`` (default: ``make_optimizers``) lets a continuation keep its AdamW state;
+    ``ref_model`` is the KL reference (default: see the module docstring)."""
     torch.manual_seed(cfg.seed)
     pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
         ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref = the actor as the stage starts
-    optimizers = make_optimizers(actor, critic, cfg)
+    optimizers = optimizers or make_optimizers(actor, critic, cfg)
     stream = task_stream(train_tasks, cfg.episodes_per_step, cfg.seed)
     history: list[dict[str, Any]] = []
     n_calib = cfg.critic_calibration_updates

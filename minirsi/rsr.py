@@ -333,7 +333,8 @@ def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: 
                 ids[i, :len(x)] = torch.tensor(x)
                 att[i, :len(x)] = 1
                 act[i, :len(x)] = torch.tensor(m, dtype=torch.float32)
-            loss = sft_loss(model, ids, att, act)
+            device = next(model.parameters()).device
+            loss = sft_loss(model, ids.to(device), att.to(device), act.to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)

@@ -147,7 +147,15 @@ def learnable_episodes(n: int, seed: int) -> tuple[list[Episode], list[float]]:
     return eps, rewards
 
 
-def test_warmup_raises_explained_variance():
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # faster than 2 threads for a 64-wide model, and deterministic
+    yield
+    torch.set_num_threads(n)
+
+
+def test_warmup_raises_explained_variance(one_thread):
     episodes, rewards = learnable_episodes(96, seed=0)
     critic = build_critic(tiny_qwen())
     cfg = RPRConfig(minibatch_size=6, grad_accum=2, lr_critic=3e-3, gamma_turn=1.0, lam_turn=0.95,

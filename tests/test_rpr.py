@@ -23,6 +23,7 @@ from minirsi.rpr import (
     policy_forward,
     policy_loss,
     ppo_update,
+    run_rpr,
     whiten,
 )
 
@@ -261,3 +262,43 @@ def test_config_rejects_bad_values_with_fix(tmp_path):
         load_config(RPRConfig, p, ["lam=0.9"])
     with pytest.raises(ConfigError, match="gamma_turn"):
         load_config(RPRConfig, p, ["gamma_turn=1.5"])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # faster than 2 threads for a 64-wide model, and deterministic
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.slow
+def test_rpr_phase_raises_mean_reward_on_a_task_with_some_success(tmp_path, one_thread):
+    """The toy world of test_rsr.py (real sandboxes, real verifier, ~40% success): one
+    calibration step (the actor is not updated, so its reward is the starting point), then
+    joint PPO steps with SPR; some joint step must beat the starting mean reward, and each
+    update must log every diagnostic."""
+    from test_rsr import toy_world  # pytest puts tests/ on sys.path (rootdir-relative imports)
+
+    world = toy_world(tmp_path / "tasks")
+    critic = build_critic(world.actor)
+    a0, c0 = fingerprint(world.actor), fingerprint(critic)
+    cfg = RPRConfig(episodes_per_step=16, steps=4, critic_calibration_updates=1, lr_actor=3e-4,
+                    lr_critic=1e-3, ppo_epochs=2, minibatch_size=8, reward="spr", seed=0)
+    logged = []
+    history = run_rpr(world.actor, critic, world.tok, world.tasks, cfg, world.rollout_fn,
+                      scales={"files": 2.0}, log_fn=logged.append)
+    assert logged == history and [h["phase"] for h in history] == ["calibrate"] + ["joint"] * 4
+    start = history[0]
+    assert 0 < start["binary_reward"] < 1
+    assert max(h["reward"] for h in history[1:]) > start["reward"] + 0.1, [h["reward"] for h in history]
+    assert fingerprint(world.actor) != a0 and fingerprint(critic) != c0
+    for h in history:
+        for key in ("dense_reward", "binary_reward", "turns", "approx_kl", "clip_frac", "explained_variance",
+                    "entropy", "logprob_gap", "rollout_s", "update_s"):
+            assert key in h, key
+        assert 0 <= h["logprob_gap"] < 1e-3  # the HF sampler and the trainer run the same weights
+    assert start["approx_kl"] == 0.0 and start["clip_frac"] == 0.0  # calibration: the actor never moved

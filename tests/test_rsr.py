@@ -120,3 +120,164 @@ def test_config_rejects_bad_values():
         RSRConfig(planner="oracle")
     with pytest.raises(ValueError, match="samples_per_task"):
         RSRConfig(samples_per_task=0)
+
+
+def test_llm_planner_prompt_holds_task_and_cleaned_run_and_parses_commands():
+    from minirsi.rsr import LLMPlanner
+    from minirsi.sampler import Sample
+
+    class Scripted:  # a sampler that always answers with one bash block
+        def __init__(self, tok):
+            self.tok, self.prompts = tok, []
+
+        def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seed=None):
+            self.prompts += prompts
+            ids = self.tok("```bash\necho hi > /app/out.txt\n```", add_special_tokens=False)["input_ids"]
+            return [Sample(list(ids) + [stop_token_ids[0]], [0.0] * (len(ids) + 1), "stop") for _ in prompts]
+
+    world_tok = _tokenizer(["Write hi into /app/out.txt", "echo hi > /app/out.txt", "ls /app"])
+    sampler = Scripted(world_tok)
+    planner = LLMPlanner(None, world_tok, sampler=sampler)
+    task = SimpleNamespace(task_id="t", instruction="Write hi into /app/out.txt")
+    cleaned = [Step("ls /app", "a.txt"), Step("echo hi > /app/out.txt", "")]
+    text = planner.prompt_text(task, cleaned)
+    assert task.instruction in text and "$ ls /app\na.txt" in text and "$ echo hi > /app/out.txt" in text
+    assert planner.rewrite(task, cleaned) == ["echo hi > /app/out.txt"]
+    assert text in world_tok.decode(sampler.prompts[0])  # the planner sees exactly that message
+
+
+def _tokenizer(texts):
+    from minirsi import actions
+    from minirsi.models import build_tokenizer
+
+    return build_tokenizer([actions.SYSTEM_PROMPT, *texts], vocab_size=300)
+
+
+# ----------------------------------------------------------------------------- end to end
+#
+# A toy world small enough to train in seconds: two tasks ("write the word W into
+# /app/out.txt", W in {hello, world}) in real bwrap sandboxes checked by the real verifier, and
+# a tiny Qwen3 (hidden 64, 2 layers, a 300-token BPE) first fine-tuned on a 50/50 mixture of
+# right and wrong sessions (the other task's word; half of them with a needless `ls /app`
+# first), so it succeeds about 40% of the time. test_rpr.py imports toy_world from here.
+
+WORDS = ("hello", "world")
+_TOML = ('version = "1.0"\n[metadata]\ndifficulty = "easy"\ncategory = "files"\ntags = []\n'
+         '[agent]\ntimeout_sec = 60.0\n[verifier]\ntimeout_sec = 30.0\n[environment]\nworkdir = "/app"\n')
+_TEST_SH = ("#!/bin/bash\ncd /app\npytest -q -p no:cacheprovider --junitxml=/logs/verifier/junit.xml "
+            "/tests/test_outputs.py -rA\n"
+            "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+
+
+def _write_task(root, word):
+    from minirsi.tasks import load_task
+
+    d = root / f"write-{word}"
+    for sub in ("environment", "tests", "solution"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    (d / "instruction.md").write_text(f"Write the word `{word}` into /app/out.txt.\n")
+    (d / "task.toml").write_text(_TOML)
+    (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\necho {word} > /app/out.txt\n")
+    (d / "tests" / "test.sh").write_text(_TEST_SH)
+    (d / "tests" / "test_outputs.py").write_text(  # two checks: P = 1 for the wrong word, 2 for the right one
+        "from pathlib import Path\n\n\ndef test_exists():\n    assert Path('/app/out.txt').exists()\n\n\n"
+        f"def test_content():\n    assert Path('/app/out.txt').read_text().strip() == '{word}'\n")
+    return load_task(d)
+
+
+def toy_world(root, seed: int = 0):
+    from minirsi import actions
+    from minirsi.rollout import RolloutConfig
+    from minirsi.rpr import make_rollout_fn
+    from minirsi.rsr import sft
+
+    tasks = [_write_task(root, w) for w in WORDS]
+    sessions = []
+    for t in tasks:
+        for w in WORDS:
+            write = SimpleNamespace(commands=[f"echo {w} > /app/out.txt"], output="", exit_code=0)
+            ls = SimpleNamespace(commands=["ls /app"], output="", exit_code=0)
+            sessions += [SimpleNamespace(instruction=t.instruction, turns=turns) for turns in ([write], [ls, write])]
+    texts = [t.instruction for t in tasks] + [x for s in sessions for turn in actions.session_turns(s) for x in turn if x]
+    tok = _tokenizer(texts)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    torch.manual_seed(seed)
+    actor = Qwen3ForCausalLM(cfg)
+    examples = [actions.render_session(tok, s)[:2] for s in sessions]
+    # 40 steps at a high rate: enough to learn the format, not which word goes with which task
+    sft(actor, examples * 4, RSRConfig(lr=1e-2, epochs=10, batch_size=8, seed=seed), tok.pad_token_id)
+    rollout_cfg = RolloutConfig(max_turns=3, max_new_tokens=40, concurrency=16, temperature=1.0,
+                                max_context_tokens=512)
+    return SimpleNamespace(tasks=tasks, tok=tok, actor=actor,
+                           rollout_fn=make_rollout_fn(tok, rollout_cfg, progress=False))
+
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded torch: faster than 2 threads for a 64-wide model, and deterministic."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _success(world, seed):
+    eps = world.rollout_fn(world.actor, [t for t in world.tasks for _ in range(16)], seed)
+    return sum(e.success for e in eps) / len(eps)
+
+
+@pytest.mark.slow
+def test_rsr_raises_success_on_verified_rewrites_only_and_leaves_the_critic(tmp_path, one_thread):
+    from minirsi.critic import build_critic, fingerprint, load_critic, save_critic
+    from minirsi.rsr import make_replay_fn, run_rsr
+
+    world = toy_world(tmp_path / "tasks")
+    critic = build_critic(world.actor)  # a critic built from the actor, as the recipe does
+    save_critic(critic, tmp_path / "critic")
+    before_hash = fingerprint(critic)
+    files = {p: p.read_bytes() for p in (tmp_path / "critic").rglob("*") if p.is_file()}
+
+    replays = []
+    real = make_replay_fn("bwrap", command_timeout=10.0)
+
+    def spy(task, commands):
+        r = real(task, commands)
+        replays.append((task.task_id, tuple(commands), r.success))
+        return r
+
+    cfg = RSRConfig(samples_per_task=16, planner="replay", lr=3e-3, epochs=10, batch_size=4, seed=0)
+    stats = run_rsr(world.actor, world.tok, world.tasks, cfg, world.rollout_fn, replay_fn=spy)
+
+    before = stats.runs_verified / stats.runs_sampled
+    assert 0.1 < before < 0.8, stats  # the actor sometimes succeeds
+    passing = {(t, c) for t, c, ok in replays if ok}
+    assert stats.sft_examples == len(stats.kept) > 0
+    assert all((k["task_id"], tuple(k["commands"])) in passing for k in stats.kept)  # only verified rewrites
+    assert stats.mean_turns_after < stats.mean_turns_before  # the minimiser dropped the needless `ls`
+    assert stats.sft_loss_last < stats.sft_loss_first
+    after = _success(world, seed=1)
+    assert after > before + 0.2, (before, after)
+    # the critic: untouched in memory and on disk
+    assert fingerprint(critic) == before_hash
+    assert fingerprint(load_critic(tmp_path / "critic")) == before_hash
+    assert all(p.read_bytes() == b for p, b in files.items())
+
+
+@pytest.mark.slow
+def test_rsr_trains_on_nothing_when_no_rewrite_reverifies(tmp_path, one_thread):
+    """Every sampled success is rejected at re-verification (a replay that always fails): the
+    stage must train on nothing, so the actor stays bit-identical."""
+    from minirsi.critic import fingerprint
+    from minirsi.rsr import run_rsr
+
+    world = toy_world(tmp_path / "tasks")
+    h0 = fingerprint(world.actor)
+    reject = FakeReplay(["a command no run contains"])
+    cfg = RSRConfig(samples_per_task=8, planner="replay", lr=3e-3, epochs=2, batch_size=4, seed=0)
+    stats = run_rsr(world.actor, world.tok, world.tasks, cfg, world.rollout_fn, replay_fn=reject)
+    assert stats.runs_verified > 0 and reject.calls > 0
+    assert stats.reverified == stats.sft_examples == 0
+    assert fingerprint(world.actor) == h0
