@@ -21,7 +21,8 @@ Symbol         Shape        Description
 rewards        (B, T)       r_t; nonzero only on action tokens (METHOD.md: on the last one)
 values         (B, T)       V_t, the critic's per-token baseline (float32 or float64)
 action_mask    (B, T)       1 on action (generated) tokens, 0 elsewhere; bool, int or float
-turn_ids       (B, T)       turn(t), integer; see "Turn ids" below
+                            (any nonzero entry counts as an action token)
+turn_ids       (B, T)       turn(t), integer; see the choices below
 gamma_turn     scalar       g in [0, 1], the discount per turn boundary
 lam_turn       scalar       l in [0, 1], the trace decay per turn boundary
 advantages     (B, T)       A_t (0 off-action), dtype of values
@@ -30,21 +31,30 @@ returns        (B, T)       R_t = A_t + V_t (0 off-action), the critic's regress
 
 How it is vectorised (no per-token loop)
 ----------------------------------------
-Inside a turn the deltas telescope, because gamma = lambda = 1 there::
+Inside a turn gamma = lambda = 1, so A_t is the plain sum of the deltas of the turn's actions
+from t on, plus the discounted trace from the next turn; in that sum the values cancel in
+pairs (+V_n of one delta, -V_n of the next), leaving::
 
     A_t = sum_{u >= t, u in turn k} r_u  -  V_t  +  X_k                            (1)
-    X_k = g V_s + g l A_s   with s the first action of the next turn, 0 if none
-        = g (1 - l) V_s + g l (Rtot_{k+1} + X_{k+1})                               (2)
+    X_k = g V_s + g l A_s   (s: first action of the next turn of the row; X_k = 0 if none)
+        = g (1 - l) V_s + g l (Rtot_{k+1} + X_{k+1})     (A_s from (1) at t = s)   (2)
 
-where Rtot_{k+1} is the sum of rewards in turn k+1. (1) needs one cumulative sum of the
-rewards along the row; (2) is a linear recurrence over turns only (~100 per sequence, not
-262,144 tokens), solved by a log-depth (Hillis-Steele) scan in float64. The positions where
-each turn starts, ends and first acts come from ``searchsorted`` on sorted keys, so nothing
-is ragged. Because the values V cancel inside a turn instead of being summed, the only
+where Rtot_{k+1} is the sum of rewards in turn k+1, and R_t = A_t + V_t drops the -V_t.
+(1) needs one cumulative sum of the rewards along the row; (2) is a linear recurrence over
+turns only (~100 per sequence, not 262,144 tokens), solved by a log-depth (Hillis-Steele)
+scan in float64. The positions where each turn starts, ends and first acts come from
+``searchsorted`` on sorted keys, so nothing is ragged. Because the values V cancel inside a
+turn instead of being summed, the only
 accumulated rounding is in the reward prefix sums: |error| <~ eps(dtype) * sum_t |r_t| per
 row, i.e. float32 results agree with a float64 loop to ~1e-7 of the row's reward mass, not
 to ~1e-7 of a sum over 262,144 deltas. Everything is computed under ``torch.no_grad``: the
 outputs are targets.
+
+Cost: about 13 passes over the (B, T) grid (two prefix sums: actions and rewards; one gather;
+the rest elementwise, validation included), plus O(K log K) work for K turns per row.
+``bench/tb_gae.py`` measures it against one flip + cumsum + flip. The regime it is built for
+is turns of many tokens; with every token its own turn (K = T) it stays vectorised and exact
+but the turn-level searches and scan dominate (about a second for 8 x 262,144 on one CPU core).
 
 Choices METHOD.md leaves open (ours)
 ------------------------------------
@@ -55,8 +65,8 @@ Choices METHOD.md leaves open (ours)
   must not decrease along the action positions of a row. Fast path: turn_ids non-decreasing
   along the whole row, observations and padding included (what ``collate`` produces:
   padding repeats the last turn). Otherwise the ids at non-action positions are ignored
-  (replaced by the turn of the latest action, a running max) at the cost of one extra pass;
-  a decrease between two action positions raises ``ValueError``.
+  (replaced by the turn of the latest action, a running max) at the cost of a cummax pass;
+  a decrease between two action positions raises ``ValueError`` naming the position.
 - A row with no action token gets zeros. NaN/inf in values or rewards propagate (not checked).
 
 Chunked form
@@ -155,12 +165,10 @@ def _reverse_linear_scan(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     K = a.shape[1]
     d = 1
     while d < K:
-        # After this step, (a_j, c_j) composes the 2d elements j .. j+2d-1.
-        a_next = a.clone()
-        a_next[:, :-d] += c[:, :-d] * a[:, d:]
-        c_next = c.clone()
-        c_next[:, :-d] *= c[:, d:]
-        a, c = a_next, c_next
+        # Now (a_j, c_j) composes elements j .. j+d-1; after this step, j .. j+2d-1. The
+        # right-hand sides are evaluated into temporaries before the slices are written.
+        a[:, :-d] += c[:, :-d] * a[:, d:]
+        c[:, :-d] = c[:, :-d] * c[:, d:]
         d *= 2
     return a
 
