@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -81,13 +82,13 @@ def check_family(family: object) -> str:
 
 
 def check_scale(D: object, what: str) -> float:
-    if isinstance(D, bool) or not isinstance(D, (int, float)) or not math.isfinite(D) or D <= 0:
+    if isinstance(D, bool) or not isinstance(D, numbers.Real) or not math.isfinite(D) or D <= 0:
         raise ValueError(f"{what} = {D!r} must be a finite number > 0")
     return float(D)
 
 
 def check_quantile(quantile: object) -> float:
-    if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not (
+    if isinstance(quantile, bool) or not isinstance(quantile, numbers.Real) or not (
             0.0 <= quantile <= 1.0):  # also rejects NaN
         raise ValueError(f"quantile = {quantile!r} must lie in [0, 1]")
     return float(quantile)
@@ -98,12 +99,13 @@ def check_counts(passed: object, total: object | None = None, what: str = "run")
     for name, x in (("passed", passed), ("total", total)):
         if x is None:
             continue
-        if isinstance(x, float) and x.is_integer():
-            x = int(x)
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        if isinstance(x, numbers.Real) and not isinstance(x, numbers.Integral) and (
+                math.isfinite(x) and float(x).is_integer()):
+            x = int(x)  # 12.0 is a count; 12.5 and NaN are not
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 0:
             raise ValueError(f"{what}: {name} = {x!r} must be a non-negative integer count "
                              "of checks")
-    if total is not None and passed > total:
+    if total is not None and int(passed) > int(total):
         raise ValueError(f"{what}: passed = {passed} > total = {total}; P counts passed "
                          "non-hygiene checks, C all non-hygiene checks of the task")
     return int(passed)
