@@ -427,9 +427,8 @@ def _finish(run: _Run, verify: Callable[[Any, Any], Any]) -> Episode:
             res = verify(run.sandbox, run.task)
             success, passed, total, checks = bool(res.success), int(res.passed), int(res.total), dict(res.checks)
             meta["verifier_tail"] = (res.output_tail or "")[-2000:]
-            if res.error:
-                run.error = f"verifier: {res.error}"
-                success, passed = False, 0
+            if res.error:  # e.g. test.sh timed out: S, P, C still stand as the verifier judged
+                meta["verifier_error"] = res.error
         except Exception as e:  # a verifier crash is a failed episode, recorded, not a crash of the run
             logger.warning("episode %d (%s): verifier failed: %s: %s", run.index, run.task.task_id, type(e).__name__, e)
             run.error = f"verifier failed: {type(e).__name__}: {e}"

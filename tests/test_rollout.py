@@ -7,11 +7,16 @@ a scripted sampler that replays fixed replies (stop rules and parsing).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -362,3 +367,70 @@ def test_stats_measure_generation_time(tok):
             open_sandbox=Sandboxes(sleep=0.05), verify=fake_verify)
     assert stats.steps == 3 and stats.wall_s > stats.generate_s > 0
     assert 0 < stats.outside_generation < 1
+
+
+# ---------------------------------------------------------------- real sandboxes, the CLI
+
+
+def _sandbox_ready() -> bool:
+    if shutil.which("bwrap") is None:
+        return False
+    from minirsi.sandbox.bwrap import default_rootfs
+
+    return (Path(default_rootfs()) / "usr/bin/python3").exists()
+
+
+needs_sandbox = pytest.mark.skipif(not _sandbox_ready(), reason="bwrap or the sandbox rootfs is missing (scripts/setup.sh)")
+
+
+def _oracle_commands(task) -> str:
+    """The task's reference solution as one block (its shebang, comments and set -e left out:
+    set -e would end the persistent shell at the first failing line)."""
+    lines = task.solution_script.read_text().splitlines()
+    return "\n".join(l for l in lines if l.strip() and not l.startswith("#") and l.strip() != "set -e")
+
+
+@needs_sandbox
+def test_real_sandboxes_and_verifier_score_oracle_and_idle_agents(tok, tmp_path):
+    """bwrap + the real verifier: replaying the oracle succeeds, doing nothing fails."""
+    from minirsi.tasks import load_tasks
+    from toy_envs import generate_suite
+
+    generate_suite("train", tmp_path / "tasks", n=4, seed=0)
+    pool, errors = load_tasks(tmp_path / "tasks")
+    assert not errors and len(pool) == 4
+    scripts = {}
+    for i, t in enumerate(pool):
+        reply = f"```bash\n{_oracle_commands(t)}\n```" if i % 2 == 0 else "```bash\nls\n```"
+        scripts[t.task_id] = [reply, "TASK_COMPLETE"]
+    # The scripted sampler finds a task's script by "do <task_id>." in the prompt.
+    real = [dataclasses.replace(t, instruction=f"Please do {t.task_id}.") for t in pool]
+    eps = collect(real, ScriptedSampler(tok, scripts), tok, cfg(command_timeout=20.0), progress=False)
+    for i, ep in enumerate(eps):
+        check_invariants(ep)
+        assert ep.error is None and ep.stop_reason == "done" and ep.total >= 1
+        assert ep.success == (i % 2 == 0), (ep.task_id, ep.transcript, ep.meta)
+        if i % 2 == 0:
+            assert ep.passed == ep.total
+
+
+@pytest.mark.slow
+@needs_sandbox
+def test_rollout_cli_writes_jsonl_and_atif(tok, model, tmp_path):
+    from minirsi.models import save_actor
+    from toy_envs import generate_suite
+
+    save_actor(model, tok, tmp_path / "model")
+    generate_suite("train", tmp_path / "tasks", n=2, seed=0)
+    out, atif = tmp_path / "eps.jsonl", tmp_path / "atif"
+    cmd = [sys.executable, "-m", "minirsi.cli", "rollout", "--model", str(tmp_path / "model"), "--tasks",
+           str(tmp_path / "tasks"), "--episodes", "3", "--out", str(out), "--atif", str(atif), "--no-progress",
+           "max_turns=2", "max_new_tokens=16", "concurrency=3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(lines) == 3 and len(list(atif.glob("*.json"))) == 3
+    for d in lines:
+        assert {"task", "token_ids", "logprobs", "action_mask", "turn_ids", "success", "passed", "total", "turns"} <= set(d)
+        assert len(d["token_ids"]) == len(d["logprobs"]) == len(d["action_mask"]) == len(d["turn_ids"])
+    assert "3 episodes" in proc.stdout

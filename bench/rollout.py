@@ -1,0 +1,118 @@
+"""Benchmark: where rollout time goes, and what batching the generation buys.
+
+Runs ``--episodes`` (32) episodes of up to ``--max-turns`` (8) turns of the tiny model on toy
+training tasks in real sandboxes (bwrap by default) with the real verifier, twice, in this one
+run:
+
+- ``batched``: ``concurrency = episodes``: every step decodes all live episodes in one call;
+- ``sequential``: ``concurrency = 1``: one episode at a time (the same sampler and seeds), on
+  the first ``--sequential-episodes`` (8) of the same tasks; one-at-a-time cost is linear in the
+  number of episodes, so its wall and generation times are scaled to ``--episodes`` (pass
+  ``--sequential-episodes 32`` to time all of them, ~8x longer).
+
+Prints for each: wall time, seconds inside ``sampler.generate``, the share of wall time spent
+outside generation (sandbox commands, verifier, parsing, bookkeeping; target < 25% for the
+batched run), generated tokens; then the speed-up of batched over sequential (wall time,
+target >= 4x).
+
+The model: ``--model DIR`` (e.g. the pretrained Base from ``minirsi pretrain``), else a
+randomly initialised tiny model with a tokenizer trained on the toy corpus. A random model
+rarely closes its turn, so each reply runs to ``--max-new-tokens`` and parses to no command
+(answered with the format reminder): generation is then at its largest. A pretrained model
+writes shorter replies that run commands, so its outside-generation share is the more telling.
+
+Run::
+
+    python bench/rollout.py
+    python bench/rollout.py --model runs/toy/base --episodes 32 --max-turns 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import tempfile
+import time
+
+import torch
+
+from minirsi.rollout import RolloutConfig, RolloutStats, collect
+from minirsi.sampler import HFSampler
+
+
+def load_model(path: str | None, tasks: list):
+    """The model under test; the random one gets a BPE trained on the tasks' own text (their
+    instructions and reference solutions), which is all the shell vocabulary the bench needs."""
+    if path:
+        from minirsi.models import load_actor
+
+        return load_actor(path)
+    from minirsi.models import build_tiny_actor, build_tokenizer
+
+    texts = [t.instruction for t in tasks]
+    texts += [t.solution_script.read_text() for t in tasks if t.solution_script.is_file()]
+    tok = build_tokenizer(texts * 4, vocab_size=2048)
+    return build_tiny_actor(tok, seed=0), tok
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="model directory (default: random tiny model)")
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--sequential-episodes", type=int, default=8, help="episodes timed one at a time (scaled)")
+    p.add_argument("--backend", default="bwrap", choices=["bwrap", "docker"])
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from minirsi.tasks import load_tasks
+    from toy_envs import generate_suite
+
+    with tempfile.TemporaryDirectory() as d:
+        generate_suite("train", d, n=args.episodes, seed=0)
+        pool, errors = load_tasks(d)
+        if errors:
+            raise SystemExit(f"toy suite has invalid tasks: {errors[:3]}")
+        tasks = list(itertools.islice(itertools.cycle(sorted(pool, key=lambda t: t.task_id)), args.episodes))
+        model, tok = load_model(args.model, tasks)
+        sampler = HFSampler(model, tok)
+        base = dict(
+            max_turns=args.max_turns,
+            max_new_tokens=args.max_new_tokens,
+            temperature=1.0,
+            max_context_tokens=4096,
+            backend=args.backend,
+            seed=0,
+        )
+        sampler.generate([[1, 2, 3]], 4, 1.0, [], seed=0)  # warm-up: first-call allocations
+        rows = {}
+        n_seq = min(args.sequential_episodes, args.episodes)
+        for name, conc, subset in (("batched", args.episodes, tasks), ("sequential", 1, tasks[:n_seq])):
+            stats = RolloutStats()
+            eps = collect(subset, sampler, tok, RolloutConfig(concurrency=conc, **base), progress=False, stats=stats)
+            rows[name] = (stats, eps)
+        scale = args.episodes / n_seq  # sequential cost per episode, times the number of episodes
+
+    model_name = args.model or "random tiny model"
+    print(f"{args.episodes} episodes, <= {args.max_turns} turns, <= {args.max_new_tokens} tokens/turn, {model_name}, {args.backend}")
+    print(f"{'run':<11} {'episodes':>8} {'wall s':>8} {'generate s':>11} {'outside gen':>12} {'gen tokens':>11} {'turns':>6} {'success':>8}")
+    for name, (s, eps) in rows.items():
+        turns = sum(e.turns for e in eps) / len(eps)
+        succ = sum(e.success for e in eps) / len(eps)
+        print(
+            f"{name:<11} {len(eps):8d} {s.wall_s:8.2f} {s.generate_s:11.2f} {100 * s.outside_generation:11.1f}% "
+            f"{s.generated_tokens:11d} {turns:6.2f} {succ:8.2f}"
+        )
+    b, q = rows["batched"][0], rows["sequential"][0]
+    print(f"outside generation (batched): {100 * b.outside_generation:.1f}%  (target < 25%)")
+    print(
+        f"batched speed-up over one episode at a time ({args.episodes} episodes; sequential scaled x{scale:.1f} "
+        f"from {n_seq}): wall {scale * q.wall_s / b.wall_s:.1f}x (target >= 4x), "
+        f"generation only {scale * q.generate_s / b.generate_s:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
