@@ -204,31 +204,25 @@ def tb_gae(
     key, block, offset = _turn_blocks(turn_ids, m)  # (B, T), (B, T) int64 in [0, K), int
     K = int(block[:, -1].max()) + 1
 
-    # Token range [start, end) of every block, and its first action position.
-    j = torch.arange(offset, offset + K, device=key.device, dtype=key.dtype).expand(B, K)
-    j = j.contiguous()
-    start = torch.searchsorted(key, j, right=False)  # (B, K) int64
-    end = torch.searchsorted(key, j, right=True)  # (B, K)
-
     acts = torch.cumsum(m, dim=1, dtype=torch.int32)  # (B, T) actions so far (inclusive)
     # F_excl[t] = sum_{u < t} r_u, written straight into place (no shifted copy).
     F_excl = torch.empty_like(r)  # (B, T)
     F_excl[:, 0] = 0
     torch.cumsum(r[:, :-1], dim=1, out=F_excl[:, 1:])
 
-    def before(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Actions and reward sum over positions < idx (B, K), in int32 and float64."""
-        last = (idx - 1).clamp_(min=0)
-        n = acts.gather(1, last) * (idx > 0)
-        F = (F_excl.gather(1, last).double() + r.gather(1, last).double()) * (idx > 0)
-        return n, F
-
-    acts_before_start, F_start = before(start)  # (B, K)
-    acts_before_end, F_end = before(end)  # (B, K)
-    has_action = acts_before_end > acts_before_start  # (B, K) bool
-    first = torch.searchsorted(acts, acts_before_start + 1, right=False).clamp_(max=T - 1)
+    # Block k is the token range [bounds_k, bounds_{k+1}): one search for keys k .. K.
+    j = torch.arange(offset, offset + K + 1, device=key.device, dtype=key.dtype)
+    bounds = torch.searchsorted(key, j.expand(B, K + 1).contiguous())  # (B, K + 1) int64
+    # Actions and rewards before each bound: the inclusive prefix at bound - 1 (0 at 0).
+    last = (bounds - 1).clamp_(min=0)
+    inside = bounds > 0
+    acts_before = acts.gather(1, last) * inside  # (B, K + 1) int32
+    F_before = (F_excl.gather(1, last).double() + r.gather(1, last).double()) * inside
+    has_action = acts_before[:, 1:] > acts_before[:, :-1]  # (B, K) bool
+    first = torch.searchsorted(acts, acts_before[:, :-1] + 1).clamp_(max=T - 1)  # (B, K)
     V_first = values.gather(1, first).double()  # (B, K) V of the turn's first action
-    R_tot = F_end - F_start  # (B, K) Rtot_k
+    F_end = F_before[:, 1:]  # (B, K) rewards before each block's end
+    R_tot = F_end - F_before[:, :-1]  # (B, K) Rtot_k
 
     # Equation (2), as Z_k = a_k + c_k Z_{k+1}: the continuation seen just before block k.
     a = torch.where(has_action, g * (1 - l) * V_first + g * l * R_tot, 0.0)
