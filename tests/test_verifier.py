@@ -166,3 +166,10 @@ def test_cli_usage_errors(argv):
     with pytest.raises(SystemExit) as info:
         cli(argv)
     assert info.value.code == 2
+
+
+def test_verify_after_close_is_an_error_not_a_crash():
+    sb = open_sandbox(HELLO)
+    sb.close()
+    r = verify(sb, HELLO)
+    assert r.success is False and r.total == 0 and "close" in r.error

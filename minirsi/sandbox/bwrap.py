@@ -228,7 +228,7 @@ class BwrapSandbox(ShellSandbox):
                 continue
             if entry.is_symlink():
                 args += ["--symlink", os.readlink(entry.path), f"/{name}"]
-            elif entry.is_dir() and name != top and any(os.scandir(entry.path)):
+            elif entry.is_dir() and any(os.scandir(entry.path)):
                 args += ["--ro-bind", f"{src}/{name}", f"/{name}"]
             elif entry.is_dir():
                 args += ["--dir", f"/{name}"]
@@ -373,6 +373,8 @@ class BwrapSandbox(ShellSandbox):
                                f"{'timed out' if timed_out else f'exited {code}'}: {out[-2000:]}")
 
     def run_verifier(self, tests_dir: Path, script: str, plugin: Path, env: dict[str, str], timeout: float) -> TestRun:
+        if self._closed:
+            raise SandboxError("run_verifier() after close(): verify the episode before closing its sandbox")
         if not self._agent_stopped:
             self.stop_agent()
         with self._lock:

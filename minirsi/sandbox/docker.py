@@ -180,8 +180,8 @@ class DockerSandbox(ShellSandbox):
     def _prepare(self) -> None:
         task, wd = self.task, shlex.quote(self.task.workdir)
         code, out = self._root(
-            f"mkdir -p {wd} && grep -q '^agent:' /etc/passwd || echo 'agent:x:1000:1000:agent:/tmp:/bin/bash' >> /etc/passwd;"
-            f" grep -q '^agent:' /etc/group || echo 'agent:x:1000:' >> /etc/group; mkdir -p {wd}")
+            f"set -e; mkdir -p {wd}; grep -q '^agent:' /etc/passwd || echo 'agent:x:1000:1000:agent:/tmp:/bin/bash' >> /etc/passwd;"
+            " grep -q '^agent:' /etc/group || echo 'agent:x:1000:' >> /etc/group")
         if code != 0:
             raise SandboxError(f"preparing the container failed: {out[-1000:]}")
         if task.dockerfile is None and task.environment_dir.is_dir():
@@ -269,6 +269,8 @@ class DockerSandbox(ShellSandbox):
 
     # --- verifier ----------------------------------------------------------------------------------
     def run_verifier(self, tests_dir: Path, script: str, plugin: Path, env: dict[str, str], timeout: float) -> TestRun:
+        if self._closed:
+            raise SandboxError("run_verifier() after close(): verify the episode before closing its sandbox")
         if not self._agent_stopped:
             self.stop_agent()
         with self._lock:

@@ -17,6 +17,7 @@ killing (``_kill_agent_processes``: all but the driver; ``_kill_jail``: everythi
 
 from __future__ import annotations
 
+import abc
 import logging
 import secrets
 import threading
@@ -96,7 +97,7 @@ class OutputCap:
         return head + tail, False
 
 
-class ShellSandbox:
+class ShellSandbox(abc.ABC):
     """Base class: the command protocol, timeouts, respawn, locking. Backends fill the hooks."""
 
     def __init__(self, task: Any, max_output_bytes: int = 16384):
@@ -113,16 +114,17 @@ class ShellSandbox:
         self._respawns = 0
 
     # --- hooks ------------------------------------------------------------------------------
+    @abc.abstractmethod
     def _spawn(self, start_dir: str, ready: str) -> None:
         """Start a jail whose driver runs `bash -c DRIVER bash <ready>` in `start_dir`."""
-        raise SandboxError("backend does not implement _spawn")
 
+    @abc.abstractmethod
     def _write(self, data: bytes) -> None:
-        raise SandboxError("backend does not implement _write")
+        """Send bytes to the driver's stdin."""
 
+    @abc.abstractmethod
     def _read(self, timeout: float) -> bytes | None:
         """Bytes available within `timeout` (b"" if none); None at EOF (the driver is gone)."""
-        raise SandboxError("backend does not implement _read")
 
     def _exit_status(self) -> int | None:
         """The driver's exit status once it has ended, if the backend can tell."""
@@ -131,13 +133,17 @@ class ShellSandbox:
     def _on_ready(self) -> None:
         """Called once the driver has printed its ready line (e.g. to note its pid)."""
 
+    @abc.abstractmethod
     def _kill_agent_processes(self) -> None:
         """Kill every process in the jail except the driver (and the jail's own init)."""
-        raise SandboxError("backend does not implement _kill_agent_processes")
 
+    @abc.abstractmethod
     def _kill_jail(self) -> None:
         """End the jail and every process in it."""
-        raise SandboxError("backend does not implement _kill_jail")
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """End the jail and free everything the sandbox holds (idempotent)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
     def _start_shell(self) -> None:
@@ -187,11 +193,15 @@ class ShellSandbox:
             line = f"__m_tok={token}; __m_cmd={ansi_c_quote(command)}\n".encode()
             try:
                 self._write(line)
-            except (BrokenPipeError, OSError, SandboxError):
+            except (OSError, SandboxError):  # the driver died since the last command
                 self._alive = False
                 self._respawn()
                 self._write(line)
-            return self._collect(token.encode(), time.monotonic() + timeout)
+            try:
+                return self._collect(token.encode(), time.monotonic() + timeout)
+            except OSError as e:
+                self._alive = False
+                raise SandboxError(f"lost the sandbox shell: {type(e).__name__}: {e}") from e
 
     def _collect(self, token: bytes, deadline: float) -> CommandResult:
         marker = b"\n" + token + b" "
