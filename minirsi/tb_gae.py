@@ -127,7 +127,10 @@ def _first_true(mask: torch.Tensor) -> tuple[int, int]:
     return row, pos
 
 
-def _turn_blocks(turn_ids: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _turn_blocks(
+    turn_ids: torch.Tensor,  # (B, T)
+    m: torch.Tensor,  # (B, T) bool action mask
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Sorted per-row block keys and a block index for every token.
 
     A block is a maximal run of equal keys; all action tokens of one turn lie in one block,
