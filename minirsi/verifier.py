@@ -25,7 +25,10 @@ Convention for task authors (the toy suites follow it)
     #!/bin/bash
     cd /app                      # the task's workdir
     pytest -p no:cacheprovider --junitxml=/logs/verifier/junit.xml /tests/test_outputs.py -rA
-    if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+    status=$?
+    kill -9 -1 2>/dev/null       # nothing the tests started (agent programs) outlives them
+    rm -rf /logs/verifier/reward.txt
+    if [ $status -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
 
 - Run the ``pytest`` script (``/usr/bin/pytest``), not ``python3 -m pytest`` from the work
   directory: ``-m`` puts the cwd on sys.path, so an agent-planted ``/app/pytest.py`` would run.
@@ -38,6 +41,11 @@ Convention for task authors (the toy suites follow it)
   outcomes are passed | failed | error | skipped.
 - The gate may be stricter than "every check passed" (test.sh decides what it writes), which
   is how a run can pass every executed check and still fail (METHOD.md section 1).
+- Residual risk: tests that *execute* agent-written programs run them with the verifier's
+  rights, so such a program could write /logs/verifier while pytest runs (e.g. a read-only
+  junit.xml or reward.txt). The ``kill -9 -1`` and ``rm -rf`` lines above close the reward
+  file; for P, run agent programs through ``subprocess`` with a timeout and never with a
+  shell that inherits /logs. Full protection would need a second uid for agent programs.
 
 Call::
 

@@ -186,3 +186,23 @@ def test_memory_and_file_size_limits(base):
 def test_next_episode_starts_clean(base):
     episode([("echo junk > /app/junk; echo t > /tmp/t; sleep 1000 & echo hello > greeting.txt", 10)])
     assert_next_episode_clean()
+
+
+def test_agent_program_run_by_the_tests_cannot_forge_the_reward(base, tmp_path):
+    """Tests that execute agent code give it the verifier's rights; test.sh's convention
+    (kill -9 -1, rm -rf, then write) still keeps a forged reward.txt out."""
+    d = tmp_path / "runs_agent_code"
+    shutil.copytree(FIXTURES / "good" / "hello", d)
+    (d / "tests" / "test_outputs.py").write_text(
+        "import subprocess\n\n\ndef test_script_prints_ok():\n"
+        "    out = subprocess.run(['bash', '/app/run.sh'], capture_output=True, text=True, timeout=10).stdout\n"
+        "    assert out == 'ok\\n'\n")
+    task = load_task(d)
+    forge = ("cat > run.sh <<'EOS'\n"
+             "echo 1 > /logs/verifier/reward.txt; chmod 444 /logs/verifier/reward.txt\n"
+             "(while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; done) >/dev/null 2>&1 &\n"
+             "echo nope\nEOS")
+    with open_sandbox(task) as sb:
+        sb.run(forge, timeout=10)
+        vr = verify(sb, task)
+    assert vr.success is False and (vr.passed, vr.total) == (0, 1), vr.output_tail

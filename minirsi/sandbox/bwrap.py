@@ -266,6 +266,16 @@ class BwrapSandbox(ShellSandbox):
                                       close_fds=True, start_new_session=True)
         os.set_blocking(self._proc.stdout.fileno(), False)
 
+    def _start_shell(self) -> None:
+        try:
+            super()._start_shell()
+        except SandboxError as e:
+            if "namespace" in str(e) or "uid map" in str(e) or "setting up uid" in str(e):
+                raise SandboxError(f"{e}\nFix: this host forbids unprivileged user namespaces for uid {self.host_uid}; "
+                                   "allow them (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu 24.04 "
+                                   "kernel.apparmor_restrict_unprivileged_userns=0) or use --backend docker") from e
+            raise
+
     def _on_ready(self) -> None:
         outer = self._proc.pid
         tree = _children()
