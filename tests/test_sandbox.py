@@ -201,3 +201,18 @@ def test_no_sandbox_process_outlives_close():
         from minirsi.sandbox.bwrap import _pids_of_uid
 
         assert _pids_of_uid(uid) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="uid leases exist only when running as root")
+def test_stale_directories_of_a_killed_harness_are_removed():
+    from minirsi.sandbox.bwrap import _base_dir, remove_stale
+
+    with open_sandbox(HELLO) as live:
+        base = _base_dir()
+        (base / ".uids" / "259999").touch()
+        stale = base / "259999-hello-abc"
+        (stale / "work").mkdir(parents=True, exist_ok=True)
+        remove_stale(base)
+        assert not stale.exists()
+        assert live.workdir_host.is_dir()  # its lease is held: kept
+        assert live.run("cat input.txt", timeout=10).output == "an input file\n"

@@ -89,6 +89,30 @@ class _UidLease:
             self._fd = -1
 
 
+def remove_stale(base: Path) -> int:
+    """Delete sandbox directories left by a harness that was killed (root mode).
+
+    A directory is named ``<uid>-<task>-<random>``; it is stale when no live process holds the
+    lease on <uid> (leases are taken before directories are made, and die with their process).
+    Returns how many were removed.
+    """
+    removed = 0
+    for d in base.iterdir():
+        uid = d.name.split("-", 1)[0]
+        if not (d.is_dir() and uid.isdigit() and (base / ".uids" / uid).exists()):
+            continue
+        fd = os.open(base / ".uids" / uid, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live sandbox holds it
+        finally:
+            os.close(fd)  # closing also drops the lock if we took it
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    return removed
+
+
 def _children() -> dict[int, list[int]]:
     """ppid -> child pids, from /proc."""
     out: dict[int, list[int]] = {}
@@ -176,7 +200,9 @@ class BwrapSandbox(ShellSandbox):
         self._protected: set[int] = set()
         self._runs = 0
         try:
-            self._dir = Path(tempfile.mkdtemp(prefix=f"{task.task_id[:40]}-", dir=self._base))
+            if self._as_root:
+                remove_stale(self._base)
+            self._dir = Path(tempfile.mkdtemp(prefix=f"{self.host_uid}-{task.task_id[:40]}-", dir=self._base))
             os.chmod(self._dir, 0o755)
             self.workdir_host = self._dir / "work"
             self._populate()
