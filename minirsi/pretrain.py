@@ -96,6 +96,9 @@ class PretrainConfig:
     """Loss weight w_t on prompt and observation tokens (action tokens have 1); 0 = SFT."""
     log_every: int = 10
     """Record the loss curve every this many steps."""
+    threads: int = 0
+    """torch intra-op threads for this run (0: leave torch's setting). On a machine that other
+    jobs share, 1 is several times faster than 2 (idle threads spin waiting for a core)."""
 
     def __post_init__(self) -> None:
         if self.sessions < 1:
@@ -110,6 +113,8 @@ class PretrainConfig:
             raise ValueError(f"minutes={self.minutes}: the time budget must be positive, e.g. 4")
         if self.max_steps < 0:
             raise ValueError(f"max_steps={self.max_steps}: use 0 (time budget) or a positive count")
+        if self.threads < 0:
+            raise ValueError(f"threads={self.threads}: use 0 (torch default) or a positive count")
         if self.batch_size < 1 or self.log_every < 1:
             raise ValueError("batch_size and log_every must be >= 1")
         if self.max_len < 64:
@@ -225,6 +230,8 @@ def pretrain(
     """
     t_start = time.perf_counter()
     out = Path(out_dir)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     if sessions is None:
         sessions = corpus_sessions(cfg.sessions, cfg.seed, cfg.noise)
     if val is None:

@@ -52,6 +52,8 @@ def test_config_validation_and_overrides():
         PretrainConfig(noise=1.5)
     with pytest.raises(ValueError, match="preset"):
         PretrainConfig(preset="huge")
+    with pytest.raises(ValueError, match="threads"):
+        PretrainConfig(threads=-1)
     with pytest.raises(ConfigError, match="context_weight"):
         load_config(PretrainConfig, None, ["context_weight=2"])
     with pytest.raises(ConfigError):
