@@ -65,12 +65,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minirsi.sandbox import Sandbox, SandboxError
-from minirsi.sandbox.junit_plugin import HYGIENE_PROPERTY
 from minirsi.tasks import Task
 
 logger = logging.getLogger(__name__)
 
 PLUGIN = Path(__file__).parent / "sandbox" / "junit_plugin.py"
+# The junit property the plugin writes (same value as junit_plugin.HYGIENE_PROPERTY; not imported
+# from there because the plugin imports pytest, which the host side need not have).
+HYGIENE_PROPERTY = "minirsi.hygiene"
 OUTPUT_TAIL_CHARS = 4000
 OUTCOMES = ("passed", "failed", "error", "skipped")
 

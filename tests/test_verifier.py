@@ -173,3 +173,10 @@ def test_verify_after_close_is_an_error_not_a_crash():
     sb.close()
     r = verify(sb, HELLO)
     assert r.success is False and r.total == 0 and "close" in r.error
+
+
+def test_hygiene_property_matches_the_plugin():
+    from minirsi.sandbox import junit_plugin
+    from minirsi.verifier import HYGIENE_PROPERTY
+
+    assert junit_plugin.HYGIENE_PROPERTY == HYGIENE_PROPERTY
