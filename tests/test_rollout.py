@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -154,6 +155,16 @@ class RecordingSampler:
 
 
 # ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model gains nothing from intra-op threads, and on a loaded 2-core machine
+    spinning OpenMP workers slow each decode step many times over; restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -426,7 +437,8 @@ def test_rollout_cli_writes_jsonl_and_atif(tok, model, tmp_path):
     cmd = [sys.executable, "-m", "minirsi.cli", "rollout", "--model", str(tmp_path / "model"), "--tasks",
            str(tmp_path / "tasks"), "--episodes", "3", "--out", str(out), "--atif", str(atif), "--no-progress",
            "max_turns=2", "max_new_tokens=16", "concurrency=3"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # see one_torch_thread
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(lines) == 3 and len(list(atif.glob("*.json"))) == 3
