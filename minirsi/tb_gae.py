@@ -75,11 +75,15 @@ Chunked form
 carrying (V_n, A_n, turn(n)) of the first action to the right of the chunk: it equals the
 whole-sequence result. With ``reset_at_chunk_edge=True`` the trace is cut at each chunk edge
 (A_n is carried as 0; the TD error still bootstraps from V_n, as at a truncated rollout).
-Then, for an action t whose chunk edge is followed by the action n, exactly
+Then, for an action t whose chunk is followed (across its right edge) by the action n, exactly
 
-    A_t(reset) = A_t - (g l)^B A_n,   B = number of turn boundaries between t and n,
+    A_t(reset) = A_t - (g l)^B A_n,     R_t(reset) = R_t - (g l)^B A_n,
 
-so |error| <= (g l)^B * max |A| (tests/test_tb_gae.py proves the equality).
+with A the whole-sequence advantages and B the number of turn boundaries crossed going from t
+to n along the action positions (the edge itself counts when turn(n) differs from the turn
+of the chunk's last action; B = 0 when the edge splits a turn). Hence
+|error| <= (g l)^B * max |A|; actions with no action after their chunk are exact.
+tests/test_tb_gae.py proves the equality.
 
 Call::
 
