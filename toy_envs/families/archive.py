@@ -49,7 +49,7 @@ def _pack_dir(p, rng, state):
     d, a, b, c = p
     files = {f"{d}/{b}.txt": _word(rng), f"{d}/{c}.txt": _word(rng)}
     return Step(
-        f"Pack the directory {d} into {a}.tar.gz.",
+        f"Make {a}.tar.gz from the directory {d}.",
         [Cmd(f"tar czf {a}.tar.gz {d}", reads=(d,), writes=(f"{a}.tar.gz",), **err("tar_c"))],
         [
             Check("archive_exists", f"assert os.path.isfile(path({lit(a + '.tar.gz')}))"),
@@ -67,7 +67,7 @@ def _pack_files(p, rng, state):
     a, b, c = p
     data = {f"{a}.txt": _word(rng), f"{b}.txt": _word(rng)}
     return Step(
-        f"Pack {a}.txt and {b}.txt into {c}.tar.",
+        f"Make {c}.tar from {a}.txt and {b}.txt.",
         [Cmd(f"tar cf {c}.tar {a}.txt {b}.txt", reads=(f"{a}.txt", f"{b}.txt"), writes=(f"{c}.tar",), **err("tar_c"))],
         [
             Check("archive_exists", f"assert os.path.isfile(path({lit(c + '.tar')}))"),
@@ -153,7 +153,7 @@ def _zip(p, rng, state):
     a, b = p
     data = _word(rng)
     return Step(
-        f"Zip {a}.txt into {b}.zip.",
+        f"Make {b}.zip from {a}.txt.",
         [Cmd(f"zip {b}.zip {a}.txt", output=f"  adding: {a}.txt (stored 0%)\n",
              reads=(f"{a}.txt",), writes=(f"{b}.zip",), **err("zip"))],
         [

@@ -45,7 +45,7 @@ def _column(p, rng, state):
 def _rows_with(p, rng, state):
     a, w, b = p
     rows = _rows(rng, must=w)
-    return _out(f"Save the rows of {a}.csv with {w} to {b}.csv.", f"grep {w} {a}.csv > {b}.csv", "grep",
+    return _out(f"Save the rows with {w} in {a}.csv to {b}.csv.", f"grep {w} {a}.csv > {b}.csv", "grep",
                 a, b, rows, [r for r in rows if w in r], ext=".csv")
 
 

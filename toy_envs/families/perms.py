@@ -28,7 +28,7 @@ def _exec(p, rng, state):
 def _setmode(p, rng, state):
     a, m = p
     return Step(
-        f"Set the mode of {a}.txt to {m}.",
+        f"Set mode {m} on {a}.txt.",
         [Cmd(f"chmod {m} {a}.txt", reads=(f"{a}.txt",), **err("chmod"))],
         [
             Check("mode_set", f"assert mode({lit(a + '.txt')}) == 0o{m}"),

@@ -50,7 +50,7 @@ def _save_output(p, rng, state):
 def _fix_word(p, rng, state):
     a, v, w, b = p
     return Step(
-        f"Fix {a}.sh: it must write {w}, not {v}.",
+        f"Fix {a}.sh: replace {v} with {w}.",
         [Cmd(f"sed -i 's/{v}/{w}/' {a}.sh", reads=(f"{a}.sh",), **err("sed"))],
         [
             Check("new_word", f"assert {lit(w)} in read({lit(a + '.sh')})"),
@@ -64,7 +64,7 @@ def _fix_word(p, rng, state):
 def _fix_target(p, rng, state):
     a, v, b, c = p
     return Step(
-        f"Fix {a}.sh: it must write to {c}.txt, not {b}.txt.",
+        f"Fix {a}.sh: replace {b}.txt with {c}.txt.",
         [Cmd(f"sed -i 's/{b}.txt/{c}.txt/' {a}.sh", reads=(f"{a}.sh",), **err("sed"))],
         [
             Check("new_target", f"assert {lit(c + '.txt')} in read({lit(a + '.sh')})"),
@@ -78,7 +78,7 @@ def _fix_target(p, rng, state):
 def _fix_typo(p, rng, state):
     a, v, b = p
     return Step(
-        f"Fix the typo ecko in {a}.sh.",
+        f"Fix {a}.sh: replace ecko with echo.",
         [Cmd(f"sed -i 's/ecko/echo/' {a}.sh", reads=(f"{a}.sh",), **err("sed"))],
         [
             Check("typo_gone", f"assert 'ecko' not in read({lit(a + '.sh')})"),
@@ -92,7 +92,7 @@ def _fix_typo(p, rng, state):
 def _fix_run(p, rng, state):
     a, v, w, b = p
     return Step(
-        f"Fix {a}.sh to write {w}, not {v}, then run it.",
+        f"Fix {a}.sh: replace {v} with {w}, then run it.",
         [
             Cmd(f"sed -i 's/{v}/{w}/' {a}.sh", reads=(f"{a}.sh",), **err("sed")),
             Cmd(f"bash {a}.sh", reads=(f"{a}.sh",), **err("bash")),
@@ -110,7 +110,7 @@ def _fix_run(p, rng, state):
 def _typo_run(p, rng, state):
     a, v, b = p
     return Step(
-        f"Fix the typo ecko in {a}.sh, then run it.",
+        f"Fix {a}.sh: replace ecko with echo, then run it.",
         [
             Cmd(f"sed -i 's/ecko/echo/' {a}.sh", reads=(f"{a}.sh",), **err("sed")),
             Cmd(f"bash {a}.sh", reads=(f"{a}.sh",), **err("bash")),

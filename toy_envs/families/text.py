@@ -32,7 +32,7 @@ def _to_file(sentence, cmd, tool, a, b, src, expected):
 def _grep(p, rng, state):
     a, w, b = p
     src = fruit_lines(rng, rng.randint(5, 8), must=w)
-    return _to_file(f"Save the lines of {a}.txt with {w} to {b}.txt.", f"grep {w} {a}.txt > {b}.txt",
+    return _to_file(f"Save the lines with {w} in {a}.txt to {b}.txt.", f"grep {w} {a}.txt > {b}.txt",
                     "grep", a, b, src, [x for x in src if w in x])
 
 
