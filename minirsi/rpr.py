@@ -229,13 +229,14 @@ def whiten(advantages: torch.Tensor, action_mask: torch.Tensor, eps: float = 1e-
 
 def policy_forward(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-    with_entropy: bool = False,
+    with_entropy: bool = False, entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs log pi(x_t | x_<t) at ``temperature``, and optionally entropies.
 
     input_ids, attention_mask: (B, T). Returns (logprobs (B, T), entropy (B, T) or None);
     position t scores token t given the tokens before it; position 0 has no context and is 0
-    (it is never an action: every sequence starts with the prompt).
+    (it is never an action: every sequence starts with the prompt). ``entropy_grad=False``
+    computes the entropy as a metric only (no graph: saves a few (B, T, V) activations).
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (B, T-1, V)
     logits = logits.float() / temperature
@@ -244,7 +245,8 @@ def policy_forward(
     logprobs = torch.cat([zeros, lp], dim=1)  # (B, T)
     if not with_entropy:
         return logprobs, None
-    return logprobs, torch.cat([zeros, entropy_from_logits(logits)], dim=1)
+    with nullcontext() if entropy_grad else torch.no_grad():
+        return logprobs, torch.cat([zeros, entropy_from_logits(logits)], dim=1)
 
 
 def _nograd_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], cfg: RPRConfig,
@@ -340,7 +342,8 @@ def ppo_update(
                 m = mb["action_mask"]
                 with (nullcontext() if update_actor else torch.no_grad()):
                     logprobs, entropy = policy_forward(actor, mb["input_ids"], mb["attention_mask"],
-                                                       cfg.temperature, with_entropy=True)
+                                                       cfg.temperature, with_entropy=True,
+                                                       entropy_grad=cfg.entropy_coef > 0)
                     l_clip, clip_frac = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], m,
                                                     cfg.clip_eps, n_tok)
                     l_h = masked_mean(entropy, m, n_tok)
