@@ -27,6 +27,16 @@ from minirsi.rpr import RPRConfig
 VOCAB = 300
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Single-threaded torch for this file: faster than 2 threads for 64-wide models (and far
+    faster when other processes load the CPU), and deterministic."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_qwen(seed: int = 0) -> Qwen3ForCausalLM:
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -147,15 +157,9 @@ def learnable_episodes(n: int, seed: int) -> tuple[list[Episode], list[float]]:
     return eps, rewards
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # faster than 2 threads for a 64-wide model, and deterministic
-    yield
-    torch.set_num_threads(n)
 
 
-def test_warmup_raises_explained_variance(one_thread):
+def test_warmup_raises_explained_variance():
     episodes, rewards = learnable_episodes(96, seed=0)
     critic = build_critic(tiny_qwen())
     cfg = RPRConfig(minibatch_size=6, grad_accum=2, lr_critic=3e-3, gamma_turn=1.0, lam_turn=0.95,

@@ -33,6 +33,16 @@ from minirsi.rpr import (
 VOCAB = 300
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Single-threaded torch for this file: faster than 2 threads for 64-wide models (and far
+    faster when other processes load the CPU), and deterministic."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_qwen(seed: int = 0) -> Qwen3ForCausalLM:
     """A random Qwen3 small enough for a unit test (~60k parameters)."""
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -244,6 +254,31 @@ def test_kl_to_reference_is_zero_at_start_and_grows():
         ppo_update(tiny_qwen(), critic, synthetic_batch(), cfg, make_optimizers(actor, critic, cfg))
 
 
+def test_lora_actor_reference_is_the_adapter_free_base():
+    """With a peft LoRA actor and no ref_model, pi_ref is the actor with its adapters disabled:
+    KL is 0 before any step (B = 0 at init) and > 0 after; only adapter weights train; the
+    critic is built from the merged weights and leaves the live adapter alone."""
+    from minirsi.models import LoraSettings, attach_lora
+
+    actor = attach_lora(tiny_qwen(), LoraSettings(r=4, alpha=8))
+    a0 = fingerprint(actor)
+    critic = build_critic(actor)
+    assert fingerprint(actor) == a0
+    base = {k: v.clone() for k, v in actor.state_dict().items() if "lora_" not in k}
+    batch = synthetic_batch()
+    cfg = _cfg(kl_coef=0.1, ppo_epochs=1, lr_actor=3e-2)
+    with torch.no_grad():
+        start, _ = policy_forward(actor, batch["input_ids"], batch["attention_mask"], cfg.temperature)
+    m = ppo_update(actor, critic, batch, cfg, make_optimizers(actor, critic, cfg))
+    assert torch.allclose(batch["ref_logprobs"], start, atol=1e-6)  # adapters at B = 0: pi_ref = pi_theta
+    assert m["kl_ref"] >= 0.0
+    m2 = ppo_update(actor, critic, batch, cfg, make_optimizers(actor, critic, cfg))
+    assert m2["kl_ref"] > 0.0
+    after = actor.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in base.items())
+    assert fingerprint(actor) != a0
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -267,16 +302,10 @@ def test_config_rejects_bad_values_with_fix(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # faster than 2 threads for a 64-wide model, and deterministic
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.slow
-def test_rpr_phase_raises_mean_reward_on_a_task_with_some_success(tmp_path, one_thread):
+def test_rpr_phase_raises_mean_reward_on_a_task_with_some_success(tmp_path):
     """The toy world of test_rsr.py (real sandboxes, real verifier, ~40% success): one
     calibration step (the actor is not updated, so its reward is the starting point), then
     joint PPO steps with SPR; some joint step must beat the starting mean reward, and each

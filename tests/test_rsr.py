@@ -23,6 +23,16 @@ from minirsi.rsr import (
 VOCAB = 300
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Single-threaded torch for this file: faster than 2 threads for 64-wide models (and far
+    faster when other processes load the CPU), and deterministic."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_qwen(vocab: int = VOCAB, seed: int = 0) -> Qwen3ForCausalLM:
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -215,13 +225,6 @@ def toy_world(root, seed: int = 0):
                            rollout_fn=make_rollout_fn(tok, rollout_cfg, progress=False))
 
 
-@pytest.fixture
-def one_thread():
-    """Single-threaded torch: faster than 2 threads for a 64-wide model, and deterministic."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _success(world, seed):
@@ -230,7 +233,7 @@ def _success(world, seed):
 
 
 @pytest.mark.slow
-def test_rsr_raises_success_on_verified_rewrites_only_and_leaves_the_critic(tmp_path, one_thread):
+def test_rsr_raises_success_on_verified_rewrites_only_and_leaves_the_critic(tmp_path):
     from minirsi.critic import build_critic, fingerprint, load_critic, save_critic
     from minirsi.rsr import make_replay_fn, run_rsr
 
@@ -267,7 +270,7 @@ def test_rsr_raises_success_on_verified_rewrites_only_and_leaves_the_critic(tmp_
 
 
 @pytest.mark.slow
-def test_rsr_trains_on_nothing_when_no_rewrite_reverifies(tmp_path, one_thread):
+def test_rsr_trains_on_nothing_when_no_rewrite_reverifies(tmp_path):
     """Every sampled success is rejected at re-verification (a replay that always fails): the
     stage must train on nothing, so the actor stays bit-identical."""
     from minirsi.critic import fingerprint
