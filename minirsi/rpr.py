@@ -38,8 +38,8 @@ Metrics logged per update (one dict per step; formulas above): ``reward`` (the t
 reward), ``dense_reward`` (mean FDR), ``binary_reward`` (mean S), ``turns``, ``kl_ref``,
 ``approx_kl`` (k3 of pi_theta against logp_old, measured on each minibatch before its step),
 ``clip_frac`` (share of action tokens with |rho - 1| > eps), ``explained_variance`` (of V_old
-against R, minirsi.critic), ``entropy``, ``logprob_gap``, losses, action tokens, seconds in
-rollout and in update.
+against R, minirsi.critic), ``entropy``, ``logprob_gap``, losses, gradient norms (before
+clipping), action tokens, seconds in rollout and in update.
 
 Call it::
 
@@ -328,7 +328,8 @@ def ppo_update(
         batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx)
     sums: dict[str, float] = {k: 0.0 for k in ("policy_loss", "value_loss", "clip_frac", "entropy",
                                                "approx_kl", "kl_ref")}
-    seen = 0.0
+    norms = {"grad_norm_actor": 0.0, "grad_norm_critic": 0.0}
+    seen, n_steps = 0.0, 0
     gen = torch.Generator().manual_seed(cfg.seed)
     actor.train()
     critic.train()
@@ -362,11 +363,14 @@ def ppo_update(
                 sums["approx_kl"] += float(kl_penalty(logprobs.detach(), mb["old_logprobs"], m)) * w
                 seen += w
             if update_actor:
-                torch.nn.utils.clip_grad_norm_([p for p in actor.parameters() if p.requires_grad], cfg.max_grad_norm)
+                trainable = [p for p in actor.parameters() if p.requires_grad]
+                norms["grad_norm_actor"] += float(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm))
                 optimizers.actor.step()
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+            norms["grad_norm_critic"] += float(torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm))
             optimizers.critic.step()
+            n_steps += 1
     metrics = {k: v / max(seen, 1.0) for k, v in sums.items()}
+    metrics.update({k: v / max(n_steps, 1) for k, v in norms.items()})  # before clipping, mean per step
     metrics["explained_variance"] = explained_variance(batch["returns"], batch["old_values"], mask_all)
     metrics["action_tokens"] = float(mask_all.sum())
     return metrics

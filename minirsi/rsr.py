@@ -364,7 +364,8 @@ class RSRStats:
     mean_turns_before: float = 0.0
     """Mean turns of the verified runs."""
     mean_turns_after: float = 0.0
-    """Mean turns of the trained-on rewrites (commands + the final TASK_COMPLETE turn)."""
+    """Mean turns of the re-verified rewrites, one per verified run like ``mean_turns_before``
+    (one turn per command + the final TASK_COMPLETE turn)."""
     sft_loss_first: float = float("nan")
     sft_loss_last: float = float("nan")
     seconds: float = 0.0
@@ -423,6 +424,7 @@ def run_rsr(
     stats.mean_turns_before = sum(e.turns for e in verified) / len(verified) if verified else 0.0
 
     examples: dict[tuple[str, tuple[str, ...]], tuple[list[int], list[int]]] = {}
+    turns_after: list[int] = []
     with torch.no_grad():
         for ep in verified:
             task = by_id[ep.task_id]
@@ -436,6 +438,7 @@ def run_rsr(
                 continue
             stats.reverified += 1
             stats.from_fallback += source == "cleaned"
+            turns_after.append(len(result.commands) + 1)
             key = (task.task_id, tuple(result.commands))
             if key not in examples:
                 ids, mask, _ = render_rewrite(tokenizer, task, result)
@@ -443,7 +446,7 @@ def run_rsr(
                 stats.kept.append({"task_id": task.task_id, "commands": list(result.commands), "source": source})
     actor.train(was_training)
     stats.sft_examples = len(examples)
-    stats.mean_turns_after = (sum(len(k[1]) + 1 for k in examples) / len(examples)) if examples else 0.0
+    stats.mean_turns_after = sum(turns_after) / len(turns_after) if turns_after else 0.0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     losses = sft(actor, list(examples.values()), cfg, pad_id)
     if losses:
