@@ -272,14 +272,16 @@ def test_rsr_raises_success_on_verified_rewrites_only_and_leaves_the_critic(tmp_
 @pytest.mark.slow
 def test_rsr_trains_on_nothing_when_no_rewrite_reverifies(tmp_path):
     """Every sampled success is rejected at re-verification (a replay that always fails): the
-    stage must train on nothing, so the actor stays bit-identical."""
+    stage must train on nothing, so the actor stays bit-identical. Runs the LLM planner (the
+    actor itself) and the cleaned-transcript fallback, both rejected."""
     from minirsi.critic import fingerprint
     from minirsi.rsr import run_rsr
 
     world = toy_world(tmp_path / "tasks")
     h0 = fingerprint(world.actor)
     reject = FakeReplay(["a command no run contains"])
-    cfg = RSRConfig(samples_per_task=8, planner="replay", lr=3e-3, epochs=2, batch_size=4, seed=0)
+    cfg = RSRConfig(samples_per_task=8, planner="llm", planner_max_new_tokens=40, lr=3e-3, epochs=2,
+                    batch_size=4, seed=0)
     stats = run_rsr(world.actor, world.tok, world.tasks, cfg, world.rollout_fn, replay_fn=reject)
     assert stats.runs_verified > 0 and reject.calls > 0
     assert stats.reverified == stats.sft_examples == 0
