@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+from collections import Counter
 import tempfile
 import time
 
@@ -71,6 +73,8 @@ def main() -> None:
     from toy_envs import generate_suite
 
     with tempfile.TemporaryDirectory() as d:
+        # TemporaryDirectory is mode 0700; the sandbox's mounts need the task files readable.
+        os.chmod(d, 0o755)
         generate_suite("train", d, n=args.episodes, seed=0)
         pool, errors = load_tasks(d)
         if errors:
@@ -97,14 +101,23 @@ def main() -> None:
 
     model_name = args.model or "random tiny model"
     print(f"{args.episodes} episodes, <= {args.max_turns} turns, <= {args.max_new_tokens} tokens/turn, {model_name}, {args.backend}")
-    print(f"{'run':<11} {'episodes':>8} {'wall s':>8} {'generate s':>11} {'outside gen':>12} {'gen tokens':>11} {'turns':>6} {'success':>8}")
+    print(f"{'run':<11} {'episodes':>8} {'wall s':>8} {'generate s':>11} {'outside gen':>12} {'gen tokens':>11} {'turns':>6} {'success':>8}  stop reasons")
     for name, (s, eps) in rows.items():
         turns = sum(e.turns for e in eps) / len(eps)
         succ = sum(e.success for e in eps) / len(eps)
         print(
             f"{name:<11} {len(eps):8d} {s.wall_s:8.2f} {s.generate_s:11.2f} {100 * s.outside_generation:11.1f}% "
-            f"{s.generated_tokens:11d} {turns:6.2f} {succ:8.2f}"
+            f"{s.generated_tokens:11d} {turns:6.2f} {succ:8.2f}  {dict(Counter(e.stop_reason for e in eps))}"
         )
+    for name, (s, _) in rows.items():
+        other = s.wall_s - s.generate_s - s.open_s - s.commands_s - s.drain_s
+        print(
+            f"{name:<11} outside generation: open sandboxes {s.open_s:.2f}s, commands {s.commands_s:.2f}s, "
+            f"last verifiers {s.drain_s:.2f}s, parsing/tokenising/bookkeeping {other:.2f}s"
+        )
+    errors = [e.error for _, eps in rows.values() for e in eps if e.error]
+    if errors:
+        print(f"{len(errors)} episodes ended in error; first: {errors[0][:300]}")
     b, q = rows["batched"][0], rows["sequential"][0]
     print(f"outside generation (batched): {100 * b.outside_generation:.1f}%  (target < 25%)")
     print(

@@ -38,10 +38,9 @@ Episodes are appended to a JSONL file as they finish (``episode.JsonlWriter``), 
 interrupted collection keeps every episode it finished; ``export_atif`` writes them as ATIF
 trajectories (Harbor's Agent Trajectory Interchange Format) for viewing.
 
-Departures from the paper: no prefix caching across turns in the HF sampler (each turn
-re-encodes its whole context; vLLM's prefix cache does this for free at scale), and a step waits
-for the slowest episode's commands before the next batched generation (simple, deterministic
-schedule; with per-command timeouts the wait is bounded).
+Departures from the paper: a step waits for the slowest episode's commands before the next
+batched generation (a simple, deterministic schedule; per-command timeouts bound the wait),
+where an asynchronous engine would refill the batch continuously.
 
 Run::
 
@@ -129,6 +128,12 @@ class RolloutStats:
     wall_s: float = 0.0
     generate_s: float = 0.0
     """Seconds inside ``sampler.generate``."""
+    open_s: float = 0.0
+    """Seconds waiting for new episodes' sandboxes to open."""
+    commands_s: float = 0.0
+    """Seconds waiting for the step's commands (all episodes' run concurrently)."""
+    drain_s: float = 0.0
+    """Seconds waiting at the end for the last verifiers (earlier ones overlap generation)."""
     steps: int = 0
     """Batched generation calls."""
     generated_tokens: int = 0
@@ -227,6 +232,9 @@ def collect(
                 f"it exceeds max_context_tokens={cfg.max_context_tokens}; raise max_context_tokens"
             )
 
+    # A sampler's kept KV prefixes (HFSampler) belong to the weights of this collection only.
+    clear_cache = getattr(sampler, "clear_cache", lambda: None)
+    clear_cache()
     writer = JsonlWriter(out_path) if out_path is not None else None
     work = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-sandbox")
     fin = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-verify")
@@ -271,7 +279,10 @@ def collect(
         step = 0
         while queue or live:
             admit = [queue.popleft() for _ in range(min(len(queue), cfg.concurrency - len(live)))]
-            for run in work.map(start, admit):
+            t0 = time.monotonic()
+            opened = list(work.map(start, admit))
+            stats.open_s += time.monotonic() - t0
+            for run in opened:
                 if run.stop_reason is None:
                     live.append(run)
                 else:
@@ -298,12 +309,16 @@ def collect(
             # Parse in this thread (tokenizers are not shared across threads), run in the pool.
             plans = [_append_action(r, s, tokenizer) for r, s in zip(live, samples)]
             futures = [work.submit(_run_commands, r, p.commands, cfg.command_timeout) for r, p in zip(live, plans)]
-            for run, plan, sample, fut in zip(live, plans, samples, futures):
-                results = fut.result()
+            t0 = time.monotonic()
+            outcomes = [f.result() for f in futures]
+            stats.commands_s += time.monotonic() - t0
+            for run, plan, sample, results in zip(live, plans, samples, outcomes):
                 _observe(run, plan, sample, results, tokenizer, cfg)
             _retire(live, finishing, fin, verify)
             harvest(block=False)
+        t0 = time.monotonic()
         harvest(block=True)
+        stats.drain_s += time.monotonic() - t0
     finally:
         for run in live:  # interrupted: close what is still open, keep what was written
             _close(run)
@@ -315,6 +330,7 @@ def collect(
         bar.close()
         if writer is not None:
             writer.close()
+        clear_cache()
         stats.wall_s = time.monotonic() - t_start
 
     episodes = [done[i] for i in sorted(done)]

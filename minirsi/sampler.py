@@ -9,7 +9,8 @@ one protocol::
 * ``HFSampler(model, tokenizer)``: a Hugging Face causal LM in this process. All prompts are
   decoded together: left padding, an attention mask, position ids counted from each row's first
   real token, one KV cache for the whole batch; rows that stopped are dropped from the cache so
-  the batch shrinks as replies end.
+  the batch shrinks as replies end; each row's cache is kept so that the next turn's prompt
+  (this one + action + observation) only encodes its new tokens (a prefix cache).
 * ``OpenAISampler(base_url, model)``: any OpenAI-compatible ``/v1/completions`` server that
   takes token-id prompts and returns token ids (``vllm serve``, SGLang, or ``minirsi serve``).
 
@@ -91,22 +92,61 @@ def _check_args(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperatu
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token id")
 
 
+@dataclass
+class _Prefix:
+    """The KV cache of one context the sampler has already encoded (kept for the next turn)."""
+
+    ids: list[int]
+    keys: list[torch.Tensor]  # per layer (n_kv_heads, len(ids), head_dim)
+    values: list[torch.Tensor]
+    nbytes: int
+
+
 class HFSampler:
     """Batched sampling from a Hugging Face causal LM with a shared KV cache.
+
+    One call decodes all prompts (in chunks of ``max_batch_size``) together. The model sees a
+    left-padded batch: each row's cached prefix (if any) right-aligned in the KV cache, then its
+    new tokens right-aligned in the input, an attention mask that hides every pad slot, and
+    position ids counted from the row's own first token, so each row is computed as if alone.
+
+    Prefix cache (multi-turn). In a rollout, turn k+1's prompt is turn k's prompt + the sampled
+    action + the observation. With ``prefix_cache=True`` the sampler keeps, for every row it
+    decoded, the KV cache of ``prompt + action[:-1]`` (everything it fed the model), and a later
+    prompt that extends a kept context only encodes its new tokens (the last action token and
+    the observation). Without it every turn re-encodes the whole context, which costs more than
+    the decoding itself for 8-turn episodes. Kept caches belong to the current weights: call
+    ``clear_cache()`` after the model changes (``rollout.collect`` clears at its start and end);
+    ``max_cache_bytes`` bounds them, oldest dropped first. A kept prefix is used once (popped).
 
     Args:
         model: a ``PreTrainedModel`` with a causal-LM head (``AutoModelForCausalLM``).
         tokenizer: its tokenizer; only ``pad_token_id`` / ``eos_token_id`` are read (the pad id
-            fills left padding, which the attention mask hides, so its value never matters).
+            fills padding, which the attention mask hides, so its value never matters).
         max_batch_size: prompts are decoded in chunks of at most this many rows (None: all).
+        prefix_cache: keep each row's KV cache for the next turn (see above).
+        max_cache_bytes: memory bound of the kept caches.
     """
 
-    def __init__(self, model: Any, tokenizer: Any = None, max_batch_size: int | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        max_batch_size: int | None = None,
+        prefix_cache: bool = True,
+        max_cache_bytes: int = 2**30,
+    ):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: must be >= 1 or None")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.prefix_cache = prefix_cache
+        self.max_cache_bytes = max_cache_bytes
+        self._prefixes: dict[int, _Prefix] = {}  # insertion order = age
+        self._next_key = 0
+        self.cache_hits = 0
+        """Prompts that reused a kept prefix (for tests and logs)."""
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
             pad = getattr(tokenizer, "eos_token_id", None)
@@ -119,6 +159,10 @@ class HFSampler:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def clear_cache(self) -> None:
+        """Forget every kept prefix (call after the weights change)."""
+        self._prefixes.clear()
 
     def generate(
         self,
@@ -137,9 +181,55 @@ class HFSampler:
         size = self.max_batch_size or len(prompts)
         out: list[Sample] = []
         for start in range(0, len(prompts), size):
-            chunk = prompts[start : start + size]
+            chunk = [list(p) for p in prompts[start : start + size]]
             out += self._generate_batch(chunk, max_new_tokens, temperature, stop_token_ids, generator)
         return out
+
+    def _take_prefix(self, prompt: list[int]) -> _Prefix | None:
+        """Pop the longest kept context that is a proper prefix of ``prompt``."""
+        best_key, best_len = None, 0
+        for key, pre in self._prefixes.items():
+            n = len(pre.ids)
+            if best_len < n < len(prompt) and prompt[:n] == pre.ids:
+                best_key, best_len = key, n
+        return None if best_key is None else self._prefixes.pop(best_key)
+
+    def _keep_prefix(self, ids: list[int], cache: Any, row: int, mask: torch.Tensor) -> None:
+        """Keep row ``row`` of ``cache`` (its real slots: ``mask``, (S,)) as the cache of ``ids``."""
+        if not self.prefix_cache or not ids:
+            return
+        real = mask.bool()
+        keys = [layer.keys[row][:, real, :].clone() for layer in cache.layers]  # (kvh, len, hd)
+        values = [layer.values[row][:, real, :].clone() for layer in cache.layers]
+        if keys[0].shape[1] != len(ids):  # never expected: drop rather than keep a wrong cache
+            logger.warning("prefix cache: %d cached slots for %d ids; not kept", keys[0].shape[1], len(ids))
+            return
+        nbytes = sum(t.numel() * t.element_size() for t in keys + values)
+        self._prefixes[self._next_key] = _Prefix(ids, keys, values, nbytes)
+        self._next_key += 1
+        total = sum(p.nbytes for p in self._prefixes.values())
+        while total > self.max_cache_bytes and self._prefixes:
+            total -= self._prefixes.pop(next(iter(self._prefixes))).nbytes
+
+    def _batch_cache(self, hits: list[_Prefix | None], C: int) -> Any:
+        """A DynamicCache of C slots per row, each kept prefix right-aligned (zeros elsewhere)."""
+        from transformers import DynamicCache
+
+        ref = next(h for h in hits if h is not None)
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers: no config argument
+            cache = DynamicCache()
+        for layer in range(len(ref.keys)):
+            kvh, _, hd = ref.keys[layer].shape
+            K = ref.keys[layer].new_zeros((len(hits), kvh, C, hd))  # (B, kvh, C, hd)
+            V = ref.values[layer].new_zeros((len(hits), kvh, C, hd))
+            for i, h in enumerate(hits):
+                if h is not None:
+                    K[i, :, C - len(h.ids) :] = h.keys[layer]
+                    V[i, :, C - len(h.ids) :] = h.values[layer]
+            cache.update(K, V, layer)
+        return cache
 
     @torch.inference_mode()
     def _generate_batch(
@@ -154,25 +244,32 @@ class HFSampler:
         self.model.eval()
         dev = self.device
         B = len(prompts)
-        L = max(len(p) for p in prompts)
-        input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long, device=dev)  # (B, L)
-        attention_mask = torch.zeros((B, L), dtype=torch.long, device=dev)  # (B, L)
-        for i, p in enumerate(prompts):  # left padding: every row's last real token is at L - 1
-            input_ids[i, L - len(p) :] = torch.tensor(p, dtype=torch.long, device=dev)
-            attention_mask[i, L - len(p) :] = 1
-        # Positions count real tokens only, so a left-padded row sees the same positions as
-        # it would alone; pad slots get 0 (they are masked out anyway).
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        hits = [self._take_prefix(p) if self.prefix_cache else None for p in prompts]
+        self.cache_hits += sum(h is not None for h in hits)
+        c = [len(h.ids) if h is not None else 0 for h in hits]  # cached tokens per row
+        new = [p[ci:] for p, ci in zip(prompts, c)]  # tokens to encode now, >= 1 per row
+        C, N = max(c), max(map(len, new))
+        # Layout of row i over C + N slots: [pad | cached_i] [pad | new_i], both right-aligned.
+        input_ids = torch.full((B, N), self.pad_token_id, dtype=torch.long, device=dev)  # (B, N)
+        attention_mask = torch.zeros((B, C + N), dtype=torch.long, device=dev)  # (B, C + N)
+        position_ids = torch.zeros((B, N), dtype=torch.long, device=dev)  # (B, N)
+        for i, (ci, x) in enumerate(zip(c, new)):
+            n = len(x)
+            input_ids[i, N - n :] = torch.tensor(x, dtype=torch.long, device=dev)
+            attention_mask[i, C - ci : C] = 1
+            attention_mask[i, C + N - n :] = 1
+            # Positions count the row's own tokens, so a padded row sees what it would alone.
+            position_ids[i, N - n :] = torch.arange(ci, ci + n, device=dev)
         stop = torch.tensor(sorted(set(stop_token_ids)) or [-1], dtype=torch.long, device=dev)
 
         ids: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         finish = [FINISH_LENGTH] * B
         alive = torch.arange(B, device=dev)  # original row index of each row still decoding
-        cache = None
+        cache = self._batch_cache(hits, C) if C > 0 else None
         step_input, step_pos = input_ids, position_ids
         try:
-            for _ in range(max_new_tokens):
+            for t in range(max_new_tokens):
                 out = self.model(
                     input_ids=step_input,
                     attention_mask=attention_mask,
@@ -192,13 +289,18 @@ class HFSampler:
                 next_lp = logp.gather(-1, next_ids).squeeze(-1)  # (b,)
                 next_ids = next_ids.squeeze(-1)  # (b,)
                 is_stop = torch.isin(next_ids, stop)  # (b,)
-                for row, tok, lp, s in zip(alive.tolist(), next_ids.tolist(), next_lp.tolist(), is_stop.tolist()):
+                last = t == max_new_tokens - 1
+                for j, (row, tok, lp, s) in enumerate(
+                    zip(alive.tolist(), next_ids.tolist(), next_lp.tolist(), is_stop.tolist())
+                ):
                     ids[row].append(tok)
                     lps[row].append(lp)
                     if s:
                         finish[row] = FINISH_STOP
+                    if s or last:  # the cache now holds prompt + ids[:-1]: keep it for next turn
+                        self._keep_prefix(prompts[row] + ids[row][:-1], cache, j, attention_mask[j])
                 keep = (~is_stop).nonzero().squeeze(-1)  # (b',) rows that go on
-                if keep.numel() == 0:
+                if keep.numel() == 0 or last:
                     break
                 step_pos = step_pos[:, -1:] + 1  # (b, 1)
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(alive), 1))], dim=-1)

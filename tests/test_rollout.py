@@ -205,6 +205,7 @@ def test_action_tokens_are_the_sampled_ids_and_logprobs_match_training(model, to
     eps = collect(tasks(6), rec, tok, cfg(), progress=False, open_sandbox=sbs, verify=fake_verify)
     assert [e.task_id for e in eps] == [f"t{i}" for i in range(6)]
     assert rec.calls[0] == 4, "the first step must batch `concurrency` episodes in one call"
+    assert rec.inner.cache_hits > 0, "later turns should continue from kept KV prefixes"
     by_prompt = {tuple(p): s for p, s in rec.record}
     for ep in eps:
         check_invariants(ep)

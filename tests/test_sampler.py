@@ -107,6 +107,34 @@ def test_chunked_batches_give_the_same_greedy_ids(model, tok, sampler):
     assert [s.token_ids for s in one] == [s.token_ids for s in sampler.generate(prompts, 10, 0.0, [])]
 
 
+def test_prefix_cache_continues_turns_exactly(model, tok):
+    """Turn 2 from kept KV caches (only the new tokens encoded) == turn 2 encoded from scratch.
+
+    Rows mix cache hits of different lengths with a brand-new prompt (no hit)."""
+    cached = HFSampler(model, tok)
+    fresh = HFSampler(model, tok, prefix_cache=False)
+    prompts = _prompts(tok)
+    first = cached.generate(prompts, 12, 0.0, [])
+    obs = [tok.encode(t, add_special_tokens=False) for t in ["\nok", "\n[exit 1] error: no such file", "\n."]]
+    turn2 = [p + s.token_ids + o for p, s, o in zip(prompts, first, obs)] + [prompts[2] + [5, 6]]
+    assert cached.cache_hits == 0
+    a = cached.generate(turn2, 12, 0.0, [])
+    assert cached.cache_hits == 3  # the three continued contexts; the new prompt had no prefix
+    b = fresh.generate(turn2, 12, 0.0, [])
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    for x, y in zip(a, b):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=LOGPROB_TOL)
+    cached.clear_cache()
+    cached.generate(turn2, 4, 0.0, [])
+    assert cached.cache_hits == 3, "a cleared cache has nothing to reuse"
+
+
+def test_prefix_cache_memory_bound(model, tok):
+    tiny_budget = HFSampler(model, tok, max_cache_bytes=1)
+    tiny_budget.generate(_prompts(tok), 4, 0.0, [])
+    assert tiny_budget._prefixes == {}
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(max_new_tokens=0, temperature=1.0), dict(max_new_tokens=4, temperature=-0.1)],
@@ -173,3 +201,30 @@ def test_client_errors_are_not_retried_and_dead_servers_give_up(server):
     dead = OpenAISampler(f"http://127.0.0.1:{port}", "tiny", timeout=2, max_retries=2, backoff=0.01)
     with pytest.raises(OpenAISamplerError, match="gave up after 3 attempts"):
         dead.generate([[1, 2]], 4, 1.0, [])
+
+
+@pytest.mark.slow
+def test_serve_cli_subprocess_round_trip(model, tok, sampler, tmp_path):
+    """`minirsi serve --port 0` prints its URL; OpenAISampler gets the in-process greedy ids."""
+    import os
+    import subprocess
+    import sys
+
+    from minirsi.models import save_actor
+
+    save_actor(model, tok, tmp_path / "model")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "minirsi.cli", "serve", "--model", str(tmp_path / "model"), "--port", "0",
+           "--served-model-name", "tiny"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # "minirsi serve: http://127.0.0.1:PORT/v1/completions (model tiny)"
+        assert line.startswith("minirsi serve: http://"), line
+        url = line.split()[2].rsplit("/v1/", 1)[0]
+        stop = [tok.convert_tokens_to_ids(IM_END)]  # the server always stops at eos, like vLLM
+        remote = OpenAISampler(url, "tiny", timeout=60, max_retries=0).generate(_prompts(tok), 8, 0.0, stop)
+        local = sampler.generate(_prompts(tok), 8, 0.0, stop)
+        assert [s.token_ids for s in remote] == [s.token_ids for s in local]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
