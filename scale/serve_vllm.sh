@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Serve a policy with vLLM for minirsi rollouts: token ids in, token ids and processed
+# log-probs out, over vLLM's OpenAI-compatible /v1/completions.
+#
+#   pip install "minirsi[scale]"                  # on the GPU serving nodes only
+#   bash scale/serve_vllm.sh RUN_DIR/stages/01-rsr1/actor 8000
+#   minirsi rollout --server http://127.0.0.1:8000 --model RUN_DIR/stages/01-rsr1/actor ...
+#
+# Why these flags:
+#   --logprobs-mode processed_logprobs  log-probs of the distribution actually sampled
+#                                       (after temperature), what minirsi's PPO ratio needs
+#   --return-tokens-as-token-ids        "token_id:N" strings, a fallback when a server build
+#                                       lacks the per-request return_token_ids field
+#   --max-logprobs 1                    minirsi asks only for the sampled token's log-prob
+#   --served-model-name policy          a stable name while checkpoints change underneath
+# Extra arguments go to `vllm serve` unchanged (e.g. --tensor-parallel-size 8 for 27B,
+# --enable-lora --max-lora-rank 64 for LoRA hot-loading).
+set -euo pipefail
+MODEL="${1:?usage: serve_vllm.sh MODEL_NAME_OR_DIR [PORT] [vllm serve args...]}"
+PORT="${2:-8000}"
+shift $(( $# >= 2 ? 2 : 1 ))
+exec vllm serve "$MODEL" \
+  --host 127.0.0.1 --port "$PORT" \
+  --served-model-name policy \
+  --logprobs-mode processed_logprobs \
+  --return-tokens-as-token-ids \
+  --max-logprobs 1 \
+  --enable-prefix-caching \
+  "$@"
