@@ -238,11 +238,16 @@ def mode(name):
 TEST_SH = """#!/bin/bash
 # Verifier of a toy task (convention: minirsi/verifier.py). Each test in test_outputs.py is one
 # check; tests marked hygiene are bookkeeping (not in P or C). The gate is strict: reward 1 iff
-# every test, hygiene included, passes.
+# every test, hygiene included, passes. The pytest script (not `python3 -m pytest`, which
+# would import a planted /app/pytest.py), then kill everything the tests started and write the
+# reward last, so a program of the agent's that ran under pytest cannot forge the gate.
 mkdir -p /logs/verifier
 cd /app || exit 1
 pytest -q -p no:cacheprovider --junitxml=/logs/verifier/junit.xml /tests/test_outputs.py
-if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+status=$?
+kill -9 -1 2>/dev/null
+rm -rf /logs/verifier/reward.txt
+if [ $status -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
 """
 
 
