@@ -314,13 +314,15 @@ def ppo_update(
     optimizers: Optimizers,
     ref_model: nn.Module | None = None,
     update_actor: bool = True,
+    seed: int | None = None,
 ) -> dict[str, float]:
     """``cfg.ppo_epochs`` passes over ``batch`` (from ``prepare_batch``) in minibatches of
     ``cfg.minibatch_size`` episodes, each accumulated over ``cfg.grad_accum`` micro-batches.
 
     ``update_actor=False`` is a critic calibration update: the actor is only read (for the
     metrics) and its optimizer never steps. ``ref_model`` is used only when the batch has no
-    ``ref_logprobs`` yet. Returns metrics averaged over all action tokens seen.
+    ``ref_logprobs`` yet. ``seed`` (default ``cfg.seed``) seeds the minibatch shuffle; run_rpr
+    passes a new one each step. Returns metrics averaged over all action tokens seen.
     """
     mask_all = batch["action_mask"]
     if cfg.kl_coef > 0 and "ref_logprobs" not in batch:
@@ -330,7 +332,7 @@ def ppo_update(
                                                "approx_kl", "kl_ref")}
     norms = {"grad_norm_actor": 0.0, "grad_norm_critic": 0.0}
     seen, n_steps = 0.0, 0
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
     actor.train()
     critic.train()
     for _ in range(cfg.ppo_epochs):
@@ -471,7 +473,8 @@ def run_rpr(
     for step in range(n_calib + cfg.steps):
         phase = "calibrate" if step < n_calib else "joint"
         t0 = time.perf_counter()
-        episodes = rollout_fn(actor, next(stream), cfg.seed * 100_003 + step)
+        step_seed = cfg.seed * 100_003 + step
+        episodes = rollout_fn(actor, next(stream), step_seed)
         t1 = time.perf_counter()
         usable = [e for e in episodes if any(e.action_mask)]  # a sandbox that died before any action
         if not usable:
@@ -479,7 +482,8 @@ def run_rpr(
         rewards = score(usable, cfg.reward, scales, scales_prime)
         fdr = score(usable, "fdr", scales)
         batch = prepare_batch(actor, critic, usable, rewards, cfg, pad_id, ref_model)
-        metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model, update_actor=phase == "joint")
+        metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model, update_actor=phase == "joint",
+                             seed=step_seed)
         t2 = time.perf_counter()
         record: dict[str, Any] = {
             "step": step, "phase": phase,
