@@ -65,7 +65,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--sequential-episodes", type=int, default=8, help="episodes timed one at a time (scaled)")
     p.add_argument("--backend", default="bwrap", choices=["bwrap", "docker"])
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    # One intra-op thread: on a shared 2-core machine, spinning OpenMP workers made a second
+    # thread 5-10x slower, not faster (measured: sequential 1026 s with 2 threads, 48 s with 1).
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
