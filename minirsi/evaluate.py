@@ -98,39 +98,40 @@ def evaluate(
         rollout_cfg: a ``rollout.RolloutConfig`` (turn limit, temperature, ...); default one if None.
         out_dir: when given, each suite's episodes are written to ``out_dir/<suite>.jsonl``
             (what ``minirsi audit`` rescores).
-        seed: base seed; suite i is sampled with ``seed + 1000 * i``.
+        seed: sampling seed (the same for every checkpoint: common random numbers).
         long_suites: suites that also report process reward and strict completion.
     Returns:
         suite -> the dict ``summarise`` returns.
     """
     from minirsi import rollout
+    from minirsi.episode import write_jsonl
     from minirsi.sampler import HFSampler
 
     if k < 1:
         raise ValueError(f"k={k}: Mean@k needs at least one attempt per task, e.g. k=3")
+    for name, tasks in suites.items():
+        if not tasks:
+            raise ValueError(f"evaluate: suite '{name}' has no tasks; check its task directory")
     cfg = rollout_cfg if rollout_cfg is not None else rollout.RolloutConfig()
-    sampler = HFSampler(actor, tokenizer)
+    # One collect call over every suite, k entries per task: the generation batch stays full
+    # (``cfg.concurrency`` episodes live) instead of draining at the end of each small suite.
+    entries = [(name, t) for name, tasks in suites.items() for t in tasks for _ in range(k)]
     was_training = getattr(actor, "training", False)
     actor.eval()
-    results: dict[str, dict[str, Any]] = {}
     try:
-        for i, (name, tasks) in enumerate(suites.items()):
-            if not tasks:
-                raise ValueError(f"evaluate: suite '{name}' has no tasks; check its task directory")
-            out_path = None
-            if out_dir is not None:
-                Path(out_dir).mkdir(parents=True, exist_ok=True)
-                out_path = Path(out_dir) / f"{name}.jsonl"
-                if out_path.exists():
-                    out_path.unlink()  # a re-run of this evaluation replaces the old episodes
-            repeated = [t for t in tasks for _ in range(k)]  # collect runs one episode per entry
-            run_cfg = dataclasses.replace(cfg, seed=seed + 1000 * i)
-            episodes = rollout.collect(repeated, sampler, tokenizer, run_cfg, out_path)
-            results[name] = summarise(episodes, k, long_horizon=name in long_suites)
-            logger.info("eval %s: Mean@%d = %.3f over %d tasks", name, k, results[name][f"mean_at_{k}"], len(tasks))
+        episodes = rollout.collect([t for _, t in entries], HFSampler(actor, tokenizer), tokenizer,
+                                   dataclasses.replace(cfg, seed=seed))
     finally:
         if was_training:
             actor.train()
+    results: dict[str, dict[str, Any]] = {}
+    for name in suites:
+        eps = [ep for (suite, _), ep in zip(entries, episodes) if suite == name]
+        if out_dir is not None:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            write_jsonl(eps, Path(out_dir) / f"{name}.jsonl")  # what `minirsi audit --eval` rescores
+        results[name] = summarise(eps, k, long_horizon=name in long_suites)
+        logger.info("eval %s: Mean@%d = %.3f over %d tasks", name, k, results[name][f"mean_at_{k}"], len(suites[name]))
     return results
 
 

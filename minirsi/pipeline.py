@@ -73,6 +73,8 @@ logger = logging.getLogger(__name__)
 PRESETS_DIR = Path(__file__).parent / "presets"
 SUITES = ("train", "core", "hard", "long", "unseen")
 """The toy suites: ``train`` is the training pool, the others are held out."""
+EVALUATED = ("base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr1_cont", "rpr2_cont")
+"""Stages that can be evaluated (the warm-up trains only the critic)."""
 
 # Imported after the stdlib so a missing sibling module fails with its own name.
 from minirsi.pretrain import PretrainConfig  # noqa: E402
@@ -171,12 +173,18 @@ class EvalConfig:
     """Suites every stage is evaluated on."""
     k: int = 3
     """Attempts per task (Mean@3 in the paper)."""
+    stages: list[str] = field(default_factory=list)
+    """Stages to evaluate (names as in results.json); empty: every stage (the recipe's default;
+    the CI smoke preset evaluates only Base and the final stage to fit its budget)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Turn limit, temperature, concurrency of evaluation episodes."""
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"eval.k={self.k}: Mean@k needs k >= 1, e.g. eval.k=3")
+        bad = [s for s in self.stages if s not in EVALUATED]
+        if bad:
+            raise ValueError(f"eval.stages has {bad}; choose from {list(EVALUATED)} (or [] for all)")
         bad = [s for s in self.suites if s not in SUITES or s == "train"]
         if bad:
             raise ValueError(f"eval.suites has {bad}; choose from {[s for s in SUITES if s != 'train']}")
@@ -282,6 +290,13 @@ class StageSpec:
 
 def plan(cfg: RunConfig) -> list[StageSpec]:
     """The ordered stages of a run (retained stages first, then the baselines)."""
+    stages = _plan_stages(cfg)
+    if cfg.eval.stages:
+        stages = [dataclasses.replace(s, evaluate=s.evaluate and s.name in cfg.eval.stages) for s in stages]
+    return stages
+
+
+def _plan_stages(cfg: RunConfig) -> list[StageSpec]:
     stages = [
         StageSpec(0, "base", "base", "Base", config_key="base"),
         StageSpec(1, "rsr1", "rsr", "RSR-1", actor_from="base", config_key="rsr1"),
@@ -363,7 +378,9 @@ class MetricsLog:
 
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"stage": self.stage, "step": int(step), "time": round(time.time(), 3)}
-        record.update({k: _jsonable(v) for k, v in metrics.items()})
+        # The pipeline's step wins over a "step" inside the metrics (a continuation numbers its
+        # updates after its source stage's).
+        record.update({k: _jsonable(v) for k, v in metrics.items() if k not in record})
         line = json.dumps(record) + "\n"
         for path in self.files:
             with path.open("a") as f:
@@ -434,10 +451,13 @@ def link_tree(src: Path, dst: Path) -> None:
 
 
 def _jsonable(v: Any) -> Any:
+    """A metric value as strict JSON: tensors and numpy scalars unwrapped, NaN/inf as null."""
     if isinstance(v, torch.Tensor):
-        return v.item() if v.numel() == 1 else v.tolist()
-    if hasattr(v, "item") and callable(v.item):  # numpy scalar
-        return v.item()
+        v = v.item() if v.numel() == 1 else v.tolist()
+    elif hasattr(v, "item") and callable(v.item):  # numpy scalar
+        v = v.item()
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return None
     return v
 
 
@@ -473,7 +493,6 @@ class Runner(Protocol):
 
     def evaluate(self, cfg: RunConfig, run: RunDir, spec: StageSpec, actor: Path, out: Path) -> dict:
         """Mean@k of ``actor`` on ``cfg.eval.suites``; episodes go under ``out``."""
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -875,6 +894,9 @@ def cli(argv: Sequence[str] | None = None, command: str = "run") -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per checkpoint load/save drowns the stage bars
     try:
         if args.resume:
             if args.out and Path(args.out) != Path(args.resume):
@@ -901,7 +923,7 @@ def cli(argv: Sequence[str] | None = None, command: str = "run") -> int:
         return 130
     from minirsi import report
 
-    print(report.results_table(results, k=cfg.eval.k))
+    print(report.results_table(results, k=cfg.eval.k, labels=report.stage_labels(run_dir, list(results))))
     if not args.no_report:
         path = report.write_report(run_dir)
         print(f"report: {path}")

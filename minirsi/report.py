@@ -190,19 +190,24 @@ def plot_signals(metrics: Sequence[Mapping[str, Any]], path: Path, labels: Mappi
     for m in metrics:
         if m.get("stage") not in stages:
             stages.append(m.get("stage"))
-    fig, axes = plt.subplots(1, len(present), figsize=(3.2 * len(present), 3.0), squeeze=False)
+    color = {st: f"C{i % 10}" for i, st in enumerate(stages)}  # one colour per stage in every panel
+    fig, axes = plt.subplots(1, len(present), figsize=(3.2 * len(present), 3.4), squeeze=False)
     for ax, (key, title) in zip(axes[0], present):
         for st in stages:
             pts = [(m["step"], m[key]) for m in metrics
                    if m.get("stage") == st and isinstance(m.get(key), (int, float))]
             if pts:
                 xs, ys = zip(*sorted(pts))
-                ax.plot(xs, ys, marker=".", label=labels.get(st, st))
+                ax.plot(xs, ys, marker=".", label=labels.get(st, st), color=color[st])
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("update step", fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -65,10 +65,8 @@ def test_evaluate_runs_k_attempts_per_task_and_writes_episodes(tmp_path, monkeyp
     calls = []
 
     def fake_collect(tasks, sampler, tokenizer, cfg, out_path=None, progress=True, **kw):
-        calls.append(([t.task_id for t in tasks], cfg.seed, out_path))
-        eps = [ep(t.task_id, t.task_id.endswith("1"), difficulty=t.difficulty) for t in tasks]
-        out_path.write_text("".join(e.to_json() + "\n" for e in eps))
-        return eps
+        calls.append(([t.task_id for t in tasks], cfg.seed))
+        return [ep(t.task_id, t.task_id.endswith("1"), difficulty=t.difficulty) for t in tasks]
 
     class Actor:
         training = True
@@ -81,22 +79,19 @@ def test_evaluate_runs_k_attempts_per_task_and_writes_episodes(tmp_path, monkeyp
             self.training = mode
             return self
 
-        def parameters(self):
-            import torch
-
-            return iter([torch.zeros(1)])
-
     monkeypatch.setattr(rollout, "collect", fake_collect)
     monkeypatch.setattr("minirsi.sampler.HFSampler", lambda model, tok: SimpleNamespace(model=model))
     task = lambda i, d="easy": SimpleNamespace(task_id=f"t{i}", difficulty=d)  # noqa: E731
     suites = {"core": [task(0), task(1)], "long": [task(2, "hard")]}
     actor = Actor()
     res = ev.evaluate(actor, SimpleNamespace(), suites, k=3, out_dir=tmp_path, seed=7)
-    assert calls[0][0] == ["t0", "t0", "t0", "t1", "t1", "t1"]
-    assert calls[0][1] != calls[1][1]  # each suite has its own sampling seed
-    assert res["core"]["mean_at_3"] == pytest.approx(0.5)
+    # One batched collection: every suite's tasks, each repeated k times, with the given seed.
+    assert calls == [(["t0", "t0", "t0", "t1", "t1", "t1", "t2", "t2", "t2"], 7)]
+    assert res["core"]["mean_at_3"] == pytest.approx(0.5) and res["long"]["mean_at_3"] == 0.0
+    assert res["core"]["n_episodes"] == 6 and res["long"]["n_episodes"] == 3
     assert "process_reward" in res["long"] and "process_reward" not in res["core"]
-    assert (tmp_path / "core.jsonl").is_file() and (tmp_path / "long.jsonl").is_file()
+    assert len((tmp_path / "core.jsonl").read_text().splitlines()) == 6
+    assert len((tmp_path / "long.jsonl").read_text().splitlines()) == 3
     assert actor.training  # left in the mode it came in
 
 

@@ -107,6 +107,7 @@ def test_unknown_key_is_an_error_naming_it():
     ("seed=abc", "seed"),
     ("eval.suites=[core,nope]", "nope"),
     ("rpr1.lr_actor=-1", "lr_actor"),
+    ("eval.stages=[base,rpr9]", "rpr9"),
 ])
 def test_bad_value_is_an_error_naming_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -181,6 +182,15 @@ def test_full_run_writes_every_stage_and_results_schema(tmp_path):
     assert (direct / "critic" / "value.txt").read_text() == "fresh;direct_ppo;"
 
 
+def test_eval_stages_limits_which_stages_are_evaluated(tmp_path):
+    cfg = small_cfg("eval.stages=[base,rpr2]")
+    runner = FakeRunner()
+    results = run_fake(cfg, tmp_path / "run", runner)
+    assert list(results) == ["base", "rpr2"]
+    assert [c for c in runner.calls if c.startswith("eval:")] == ["eval:base", "eval:rpr2"]
+    assert sum(c.startswith("train:") for c in runner.calls) == len(plan(cfg))  # every stage still trains
+
+
 def test_rsr_stage_leaves_the_critic_bit_identical(tmp_path):
     cfg = small_cfg()
     run_fake(cfg, tmp_path / "run", FakeRunner())
@@ -198,6 +208,23 @@ def test_metrics_jsonl_has_every_update_with_stage_and_step(tmp_path):
     trained = [s.name for s in plan(cfg)]
     assert sorted({(r["stage"], r["step"]) for r in recs}) == sorted((s, i) for s in trained for i in range(3))
     assert len(recs) == 3 * len(trained)  # no duplicates
+
+
+def test_metrics_are_strict_json(tmp_path):
+    import torch
+
+    run = RunDir(tmp_path)
+    spec = plan(small_cfg())[0]
+    run.stage(spec).mkdir(parents=True)
+    pipeline.MetricsLog(run, spec)(0, {"loss": float("nan"), "ev": torch.tensor(0.5), "n": 3})
+
+    def reject(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    pipeline.MetricsLog(run, spec)(7, {"step": 0, "loss": 1.0})  # the pipeline's step wins
+    first, second = (json.loads(x, parse_constant=reject) for x in run.metrics.read_text().splitlines())
+    assert first["loss"] is None and first["ev"] == 0.5 and first["n"] == 3
+    assert second["step"] == 7 and second["stage"] == "base"
 
 
 def test_tensorboard_events_are_written(tmp_path):
