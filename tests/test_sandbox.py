@@ -122,6 +122,17 @@ def test_setup_script_runs_before_the_agent():
     assert r.output == "/home/agent/project\ndata.csv\nann,3\nbob,4\ncid,5\n"
 
 
+def test_setup_script_of_a_task_under_a_private_directory(tmp_path):
+    # pytest's tmp_path is mode 0700: the sandbox's unprivileged host uid cannot traverse it,
+    # so the setup script must be staged, not bound from the task's own path.
+    import shutil
+
+    os.chmod(tmp_path, 0o700)
+    shutil.copytree(FIXTURES / "good" / "with_setup", tmp_path / "with_setup")
+    with open_sandbox(load_task(tmp_path / "with_setup")) as s:
+        assert s.run("cat data.csv", timeout=10).output == "ann,3\nbob,4\ncid,5\n"
+
+
 def test_dockerfile_task_is_refused_clearly():
     task = load_task(FIXTURES / "docker_only" / "with_dockerfile")
     with pytest.raises(SandboxError, match="runs_on_base"):

@@ -402,7 +402,12 @@ class BwrapSandbox(ShellSandbox):
 
     def _run_setup(self) -> None:
         script = self.task.setup_script
-        out, code, timed_out = self._oneshot(["--ro-bind", str(script), "/tmp/minirsi-setup.sh"],
+        # Bind a copy from our own 0755 staging dir: the sandbox's host uid may not be able to
+        # traverse the task's own path (a task under a 0700 directory such as a pytest tmp_path).
+        staged = self._dir / "setup.sh"
+        shutil.copyfile(script, staged)
+        os.chmod(staged, 0o644)
+        out, code, timed_out = self._oneshot(["--ro-bind", str(staged), "/tmp/minirsi-setup.sh"],
                                              {}, ["/bin/bash", "/tmp/minirsi-setup.sh"], self.task.setup_timeout_sec)
         if timed_out or code != 0:
             raise SandboxError(f"task {self.task.task_id}: setup script {script} "
