@@ -21,7 +21,7 @@ output) and the fixed system prompt are most of the tokens, and the policy never
 them. ``context_weight=0`` gives the SFT loss on actions only.
 
 Budget. ``minutes`` caps the training loop (rendering the corpus and training the tokenizer
-come before it: ~10-40 s for 10000 sessions). Steps per minute depend on the machine's load
+come before it: ~20-90 s for 20000 sessions). Steps per minute depend on the machine's load
 (about 200/min on an idle 2-core machine, estimated from the 8x512 timing in models.py;
 40-80/min measured while other jobs shared the 2 cores), so a Base
 trained to a time budget differs between machines; set ``max_steps`` (and a generous
@@ -35,7 +35,7 @@ rollout).
 
 Run:
 
-    minirsi pretrain --out runs/toy/base --minutes 4 --sessions 10000 --noise 0.2
+    minirsi pretrain --out runs/toy/base --minutes 4 --sessions 20000 --noise 0.2
     minirsi pretrain --out runs/toy/base --minutes 15 max_steps=600 threads=1   # reproducible
     minirsi pretrain --out runs/toy/base --config pretrain.yaml lr=4e-3   # PretrainConfig fields
 
@@ -70,11 +70,11 @@ logger = logging.getLogger(__name__)
 class PretrainConfig:
     """Knobs of the Base pretraining run (the recipe helper tunes these)."""
 
-    sessions: int = 10000
-    """Number of corpus sessions generated (``toy_envs.corpus.sessions(n=...)``). About one
-    pass in the budget: with 3000 sessions seen 4 times the model memorised instruction ->
-    command pairs (held-out action loss 0.37 vs 0.20 in training) instead of learning to
-    copy names from the instruction, and Base solved 0-6% of the training pool."""
+    sessions: int = 20000
+    """Number of corpus sessions generated (``toy_envs.corpus.sessions(n=...)``); about half a
+    pass in the budget. With 3000 sessions seen 4 times the model memorised instruction ->
+    command pairs (held-out action loss 0.37 vs 0.20 in training) instead of learning to copy
+    names from the instruction, and Base solved 0-6% of the training pool."""
     val_sessions: int = 64
     """Held-out sessions (another seed) for the final action-token loss and accuracy."""
     seed: int = 0
@@ -94,9 +94,11 @@ class PretrainConfig:
     max_len: int = 1024
     """Sessions rendered longer than this many tokens are dropped (counted in the metrics)."""
     lr: float = 6e-3
-    """Peak AdamW learning rate. Measured (tiny, 600 steps, 20000 sessions, noise 0.2): 6e-3
-    gives Base 15% strict success on 48 training-pool tasks at tau=1 (21% greedy); 3e-3 gives
-    4% (0% greedy): the copy-the-name-from-the-instruction skill appears later at the lower lr."""
+    """Peak AdamW learning rate. Measured on 48 training-pool tasks (tiny, noise 0.2, one run
+    each, so read these as rough): 20000 sessions, lr 6e-3, stopped at step 600 of an 800-step
+    cosine: Base 15% strict success at tau=1, 21% greedy; the same with lr 3e-3: 4% / 0%;
+    10000 sessions, lr 6e-3, full 600-step cosine: 0% / 4%. Copying names from the instruction
+    appears abruptly, so Base varies between runs; check it before a recipe run."""
     min_lr_ratio: float = 0.1
     """The cosine decays to lr * min_lr_ratio."""
     warmup_steps: int = 20
@@ -115,7 +117,7 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         if self.sessions < 1:
-            raise ValueError(f"sessions={self.sessions}: need at least 1 corpus session, e.g. 10000")
+            raise ValueError(f"sessions={self.sessions}: need at least 1 corpus session, e.g. 20000")
         if self.val_sessions < 0:
             raise ValueError(f"val_sessions={self.val_sessions}: use 0 (none) or more")
         if not 0.0 <= self.noise <= 1.0:
