@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="joint RPR steps for the rollout/update split (0: skip)")
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: no OpenMP spinning on a shared CPU)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
