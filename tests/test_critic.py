@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from minirsi.critic import (
     ValueModel,
@@ -23,26 +22,7 @@ from minirsi.critic import (
 )
 from minirsi.episode import Episode
 from minirsi.rpr import RPRConfig
-
-VOCAB = 300
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Single-threaded torch for this file: faster than 2 threads for 64-wide models (and far
-    faster when other processes load the CPU), and deterministic."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_qwen(seed: int = 0) -> Qwen3ForCausalLM:
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(cfg)
+from tiny import VOCAB, tiny_qwen
 
 
 # ----------------------------------------------------------------------------- the math
@@ -155,8 +135,6 @@ def learnable_episodes(n: int, seed: int) -> tuple[list[Episode], list[float]]:
                            passed=int(key == 10), total=1))
         rewards.append(1.0 if key == 10 else 0.0)
     return eps, rewards
-
-
 
 
 def test_warmup_raises_explained_variance():

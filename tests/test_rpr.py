@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from minirsi.config import ConfigError, load_config
 from minirsi.critic import build_critic, fingerprint
@@ -26,30 +25,10 @@ from minirsi.rpr import (
     run_rpr,
     whiten,
 )
+from tiny import VOCAB, tiny_qwen
 
 
 # ----------------------------------------------------------------------------- helpers
-
-VOCAB = 300
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Single-threaded torch for this file: faster than 2 threads for 64-wide models (and far
-    faster when other processes load the CPU), and deterministic."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_qwen(seed: int = 0) -> Qwen3ForCausalLM:
-    """A random Qwen3 small enough for a unit test (~60k parameters)."""
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(cfg)
 
 
 def synthetic_episode(rng: random.Random, n_turns: int) -> Episode:
@@ -321,8 +300,6 @@ def test_config_rejects_bad_values_with_fix(tmp_path):
 
 
 # ----------------------------------------------------------------------------- end to end
-
-
 
 
 def _action_logprob(world, task, command) -> float:

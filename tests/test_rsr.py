@@ -4,7 +4,6 @@ trains only on re-verified rewrites, and leaves the critic bit-identical."""
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -19,26 +18,7 @@ from minirsi.rsr import (
     clean_transcript,
     sft_loss,
 )
-
-VOCAB = 300
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Single-threaded torch for this file: faster than 2 threads for 64-wide models (and far
-    faster when other processes load the CPU), and deterministic."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_qwen(vocab: int = VOCAB, seed: int = 0) -> Qwen3ForCausalLM:
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(cfg)
+from tiny import VOCAB, tiny_qwen
 
 
 # ----------------------------------------------------------------------------- cleaning
@@ -223,8 +203,6 @@ def toy_world(root, seed: int = 0):
                                 max_context_tokens=512)
     return SimpleNamespace(tasks=tasks, tok=tok, actor=actor,
                            rollout_fn=make_rollout_fn(tok, rollout_cfg, progress=False))
-
-
 
 
 def _success(world, seed):
