@@ -34,7 +34,6 @@ import itertools
 import os
 from collections import Counter
 import tempfile
-import time
 
 import torch
 
