@@ -126,6 +126,10 @@ class BaseConfig:
     with ``pretrain`` (``minirsi pretrain``)."""
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     """Pretraining of the tiny Base model (used when ``model`` is "")."""
+    cache_dir: str = ""
+    """When set, a pretrained Base is kept in ``cache_dir/<hash of the pretrain config>/`` and
+    reused by later runs with the same pretrain config (the smoke preset sets it, so CI
+    pretrains once); "" pretrains in every run."""
 
 
 @dataclass
@@ -687,6 +691,14 @@ def count_checks(task: Any) -> int:
     return sum(1 for hygiene in checks.values() if not hygiene)
 
 
+def base_cache_path(cfg: RunConfig) -> Path | None:
+    """Where ``base.cache_dir`` keeps the Base of this pretrain config (None: no cache)."""
+    if not cfg.base.cache_dir:
+        return None
+    key = hashlib.sha256(json.dumps(to_dict(cfg.base.pretrain), sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cfg.base.cache_dir).expanduser() / f"base-{key}"
+
+
 class RecipeRunner:
     """The real stages: ``pretrain``, ``rsr.run_rsr``, ``critic.warmup_critic``, ``rpr.run_rpr``
     and ``evaluate.evaluate`` on the run's task suites."""
@@ -749,7 +761,20 @@ class RecipeRunner:
             actor, tok = load_actor(cfg.base.model, device=cfg.device)
             save_actor(actor, tok, out / "actor")
             return {"source": cfg.base.model}
+        cached = base_cache_path(cfg)
+        if cached is not None and (cached / "config.json").is_file():
+            shutil.copytree(cached, out / "actor")
+            logger.info("Base: reusing the pretrained model cached in %s", cached)
+            return {"source": str(cached)}
         metrics = pretrain(cfg.base.pretrain, out / "actor")
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+            shutil.copytree(out / "actor", tmp)
+            try:
+                os.rename(tmp, cached)  # atomic; another run that cached it first wins
+            except OSError:
+                shutil.rmtree(tmp)
         for point in metrics.get("curve", []):
             if isinstance(point, dict) and "step" in point:
                 log(int(point["step"]), {k: v for k, v in point.items() if k != "step"})

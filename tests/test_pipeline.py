@@ -242,6 +242,30 @@ def test_continuation_starts_from_its_source_optimizer_and_rng(tmp_path):
     assert done["stats"]["inputs"]["rng"].endswith("03-rpr1/rng.pt")
 
 
+def test_base_cache_pretrains_once(tmp_path, monkeypatch):
+    import minirsi.pretrain
+
+    calls = []
+
+    def fake_pretrain(cfg, out_dir, **kw):
+        calls.append(cfg.max_steps)
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text("{}")
+        return {"steps": cfg.max_steps}
+
+    monkeypatch.setattr(minirsi.pretrain, "pretrain", fake_pretrain)
+    cfg = small_cfg(f"base.cache_dir={tmp_path / 'cache'}", "base.pretrain.max_steps=7")
+    runner, spec = pipeline.RecipeRunner(), plan(cfg)[0]
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        out.mkdir()
+        runner.train(cfg, RunDir(out), spec, pipeline.StageInputs(None, None, None, None), out, lambda *a: None)
+        assert (out / "actor" / "config.json").is_file()
+    assert calls == [7]  # the second run reused the cached Base
+    other = small_cfg(f"base.cache_dir={tmp_path / 'cache'}", "base.pretrain.max_steps=8")
+    assert pipeline.base_cache_path(other) != pipeline.base_cache_path(cfg)
+
+
 # -------------------------------------------------------------------------------- resume
 
 
@@ -371,13 +395,15 @@ def test_sigkill_mid_stage_then_resume(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_smoke_preset_end_to_end_final_stage_beats_base(tmp_path):
-    """CI's end-to-end run: the real stages on the smoke preset (<= 3 minutes here)."""
+    """CI's end-to-end run: the real stages on the smoke preset. With its Base cached
+    (~/.cache/minirsi/base, filled by the first run) it takes <= 3 minutes on the 2-core CPU;
+    a cold cache adds the Base pretraining (~5 minutes)."""
     out = tmp_path / "smoke"
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "minirsi.cli", "run", "--preset", "smoke", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=590)
+                          cwd=REPO, capture_output=True, text=True, timeout=1150)
     wall = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
