@@ -394,6 +394,7 @@ def test_sigkill_mid_stage_then_resume(tmp_path):
 # -------------------------------------------------------------------------------- the real thing
 
 
+@pytest.mark.recipe
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_smoke_preset_end_to_end_final_stage_beats_base(tmp_path):
