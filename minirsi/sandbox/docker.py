@@ -265,7 +265,15 @@ class DockerSandbox(ShellSandbox):
         if self.container is not None:
             code, out = self._root(_KILL_AGENT.format(keep="''"))
             if code != 0:
-                raise SandboxError(f"agent processes survived 50 kill rounds: {out[-500:]}")
+                # A fork bomb that exhausted the pids limit leaves no room for the exec that
+                # would kill it. Restarting the container SIGKILLs every process in it and keeps
+                # its filesystem (the work directory the verifier must see).
+                logger.warning("sandbox %s: in-container kill failed (%s); restarting the container",
+                               self.task.task_id, out.strip()[-200:])
+                self.container.restart(timeout=0)
+                code, out = self._root(_KILL_AGENT.format(keep="''"))
+                if code != 0:
+                    raise SandboxError(f"agent processes survived 50 kill rounds and a restart: {out[-500:]}")
 
     # --- verifier ----------------------------------------------------------------------------------
     def run_verifier(self, tests_dir: Path, script: str, plugin: Path, env: dict[str, str], timeout: float) -> TestRun:
