@@ -22,16 +22,6 @@ CORPUS = ["ls -la /app\ncat notes.txt | grep error\n", "echo hello > out.txt && 
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model gains nothing from intra-op threads, and on a loaded 2-core machine
-    spinning OpenMP workers slow each decode step many times over; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer(CORPUS, vocab_size=300)
