@@ -3,7 +3,7 @@
 A toy task is a short list of *steps* of one family. A step is one instruction sentence with
 a fixed phrasing ("Copy cat.txt to dog.txt."), its canonical commands (one per line: the
 oracle and the pretraining corpus use the same ones), the files it needs in ``/app`` before
-the agent starts, and its checks (one pytest test each; METHOD.md section 1). Difficulty is
+the agent starts, and its checks (one test function each; METHOD.md section 1). Difficulty is
 the number of canonical commands: easy = 1, medium = 2, hard = 3-4, extreme = 5 or more.
 
 An instance is a pure function of its *key*, ``(family, difficulty, strict, steps)`` with
@@ -12,7 +12,7 @@ every other detail (file contents, numbers) comes from an RNG seeded by the key'
 two instances with the same key are the same task, and train / eval disjointness is a
 property of keys alone (toy_envs/suites.py).
 
-The gate (``/logs/verifier/reward.txt``) is 1 iff pytest passes every test, hygiene tests
+The gate (``/logs/verifier/reward.txt``) is 1 iff every test passes, hygiene tests
 included. ``strict`` instances add the sentence "Do not create any other files." and a hygiene
 test for it: a run can then pass every counted check (P = C) and still fail the gate, like the
 paper's 48 runs.
@@ -20,7 +20,10 @@ paper's 48 runs.
 Rendering (``write_task``) produces::
 
     <task_id>/instruction.md  task.toml  environment/  solution/solve.sh
-    <task_id>/tests/test.sh  tests/test_outputs.py
+    <task_id>/tests/test.sh  tests/test_outputs.py  tests/run_checks.py
+
+The checks are a pytest module, but test.sh runs them with ``run_checks.py`` (standard library
+only, ~0.03 s) instead of pytest (~0.15 s, mostly its start-up): see that file for why.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ STRICT_SENTENCE = "Do not create any other files."
 
 AGENT_TIMEOUT_SEC = {"easy": 60.0, "medium": 90.0, "hard": 120.0, "extreme": 180.0}
 VERIFIER_TIMEOUT_SEC = 30.0
+RUN_CHECKS = Path(__file__).with_name("run_checks.py")  # copied into every task's tests/
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,8 @@ class Cmd:
 
 @dataclass(frozen=True)
 class Check:
-    """One pytest test: ``body`` is the Python statements of the test function."""
+    """One check (a test function): ``body`` is its Python statements. A hygiene check is
+    rendered as ``test_hygiene_<name>`` (how minirsi.verifier recognises one without pytest)."""
 
     name: str
     body: str
@@ -213,8 +218,6 @@ import os
 import stat
 import subprocess
 
-import pytest
-
 APP = "/app"
 
 
@@ -237,13 +240,14 @@ def mode(name):
 
 TEST_SH = """#!/bin/bash
 # Verifier of a toy task (convention: minirsi/verifier.py). Each test in test_outputs.py is one
-# check; tests marked hygiene are bookkeeping (not in P or C). The gate is strict: reward 1 iff
-# every test, hygiene included, passes. The pytest script (not `python3 -m pytest`, which
-# would import a planted /app/pytest.py), then kill everything the tests started and write the
-# reward last, so a program of the agent's that ran under pytest cannot forge the gate.
+# check; test_hygiene_* tests are bookkeeping (not in P or C). The gate is strict: reward 1 iff
+# every test, hygiene included, passes. The checks run under run_checks.py (a pytest-compatible
+# runner without pytest's start-up cost) in isolated mode (-I: /app, which the agent wrote, is
+# not on sys.path), then kill everything the tests started and write the reward last, so a
+# program of the agent's that ran under the checks cannot forge the gate.
 mkdir -p /logs/verifier
 cd /app || exit 1
-pytest -q -p no:cacheprovider --junitxml=/logs/verifier/junit.xml /tests/test_outputs.py
+python3 -I /tests/run_checks.py /tests/test_outputs.py /logs/verifier/junit.xml
 status=$?
 kill -9 -1 2>/dev/null
 rm -rf /logs/verifier/reward.txt
@@ -265,9 +269,8 @@ def test_source(inst: Instance) -> str:
             hygiene=True,
         )))
     for name, c in checks:
-        mark = "@pytest.mark.hygiene\n" if c.hygiene else ""
         body = "\n".join("    " + line for line in c.body.splitlines())
-        parts.append(f"\n{mark}def test_{name}():\n{body}\n")
+        parts.append(f"\ndef test_{'hygiene_' if c.hygiene else ''}{name}():\n{body}\n")
     return "\n".join(parts)
 
 
@@ -312,6 +315,7 @@ def write_task(inst: Instance, out_dir: Path) -> Path:
     _write(root / "solution" / "solve.sh", solve_source(inst).encode(), 0o755)
     _write(root / "tests" / "test.sh", TEST_SH.encode(), 0o755)
     _write(root / "tests" / "test_outputs.py", test_source(inst).encode())
+    _write(root / "tests" / "run_checks.py", RUN_CHECKS.read_bytes())
     return root
 
 
