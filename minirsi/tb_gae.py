@@ -40,22 +40,33 @@ pairs (+V_n of one delta, -V_n of the next), leaving::
         = g (1 - l) V_s + g l (Rtot_{k+1} + X_{k+1})     (A_s from (1) at t = s)   (2)
 
 where Rtot_{k+1} is the sum of rewards in turn k+1, and R_t = A_t + V_t drops the -V_t.
-(1) needs one cumulative sum of the rewards along the row; (2) is a linear recurrence over
-turns only (~100 per sequence, not 262,144 tokens), solved by a log-depth (Hillis-Steele)
-scan in float64. The positions where each turn starts, ends and first acts come from
-``searchsorted`` on sorted keys, so nothing is ragged. Because the values V cancel inside a
-turn instead of being summed, the only
-accumulated rounding is in the reward prefix sums: |error| <~ eps(dtype) * sum_t |r_t| per
-row, i.e. float32 results agree with a float64 loop to ~1e-7 of the row's reward mass, not
-to ~1e-7 of a sum over 262,144 deltas. Everything is computed under ``torch.no_grad``: the
-outputs are targets.
+(1) needs the rewards summed per turn; (2) is a linear recurrence over turns only (~100 per
+sequence, not 262,144 tokens), solved by a log-depth (Hillis-Steele) scan in float64.
+Everything is computed under ``torch.no_grad``: the outputs are targets.
 
-Cost: about 13 passes over the (B, T) grid (two prefix sums: actions and rewards; one gather;
-the rest elementwise, validation included), plus O(K log K) work for K turns per row.
-``bench/tb_gae.py`` measures it against one flip + cumsum + flip. The regime it is built for
-is turns of many tokens; with every token its own turn (K = T) it stays vectorised and exact
-but the turn-level binary searches and the O(K log K) scan dominate (~0.3 s of CPU for
-8 x 262,144 tokens on one core, only ~5x faster than the per-token loop).
+What touches every token (the rest is O(K) per row for K turns):
+
+- one pass each for the 0/1 action mask, the count of nonzero rewards, and the check that
+  turn ids do not decrease (``searchsorted`` then finds where each turn starts and ends);
+- sums of the action mask over chunks of 64 tokens: a vectorised reduction, several times
+  cheaper than a ``cumsum`` (a serial scan). The number of actions before a turn edge is the
+  sum of the chunks before it plus a 64-token gather (``_prefix_at``); the first and last
+  action of every turn are found the same way (``_nth``);
+- when every nonzero reward sits on the last action token of its turn (``collate``'s layout;
+  checked by counting, which also proves that no reward sits off-action), Rtot_k is that one
+  reward and all actions of turn k share R_t = Rtot_k + X_k: one broadcast multiply writes it
+  over whole chunks, and only the chunks that straddle a turn edge are filled token by token
+  (``_expand_blocks``); then one ``addcmul`` gives A_t = R_t - V_t. Otherwise (rewards inside
+  a turn) a float64 prefix sum F gives Rtot_k and R_t = (F_end_k + X_k) - F_excl_t;
+- with more turns than chunks (every token its own turn, K ~ T) the chunk tricks do not pay
+  and full ``cumsum`` passes replace them: still vectorised and exact, but the turn-level
+  searches and the O(K log K) scan dominate (~0.3 s of CPU for 8 x 262,144 tokens on one
+  core, only ~5x faster than the per-token loop).
+
+Rounding: the values V cancel inside a turn instead of being summed, and reward sums are
+taken in float64, so float32 results agree with a float64 loop to ~1e-7 of the row's reward
+mass plus values, not to ~1e-7 of a sum over 262,144 deltas. ``bench/tb_gae.py`` measures
+the whole against one flip + cumsum + flip over the same grid.
 
 Choices METHOD.md leaves open (ours)
 ------------------------------------
@@ -134,19 +145,20 @@ def _first_true(mask: torch.Tensor) -> tuple[int, int]:
 
 def _turn_blocks(
     turn_ids: torch.Tensor,  # (B, T)
-    m: torch.Tensor,  # (B, T) bool action mask
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Sorted per-row block keys and a block index for every token.
+    mf: torch.Tensor,  # (B, T) 0/1 action mask
+) -> tuple[torch.Tensor, int]:
+    """Per-row block keys, sorted along T, and the ``offset`` of block 0.
 
     A block is a maximal run of equal keys; all action tokens of one turn lie in one block,
-    action tokens of different turns in different blocks. Returns ``key`` (B, T), sorted along
-    T, ``block`` (B, T) int64, the block index in [0, K), and ``offset``: block k holds the
-    tokens whose key is k + offset.
+    action tokens of different turns in different blocks. Block k holds the tokens whose key
+    is k + offset (``key - offset`` is every token's block index in [0, K); empty blocks where
+    ids skip values).
     """
     key = turn_ids
     if _any(key[:, 1:] < key[:, :-1]):
         # Slow path: ids off-action are arbitrary. Key = turn of the latest action so far.
         low = torch.iinfo(key.dtype).min
+        m = mf.bool()
         key = torch.cummax(key.masked_fill(~m, low), dim=1).values
         bad = m & (key != turn_ids)
         if _any(bad):
@@ -159,12 +171,11 @@ def _turn_blocks(
     hi = int(key[:, -1].max())
     if hi - lo <= 4 * key.shape[1]:
         # Turn ids are small integers: use them as block indices (gaps are empty blocks).
-        block = key - lo if lo != 0 else key
-        return key, block.long(), lo
+        return key.contiguous(), lo
     # Sparse ids (e.g. 0, 10**9): dense rank of the runs instead.
     block = torch.zeros_like(key, dtype=torch.long)
     block[:, 1:] = torch.cumsum(key[:, 1:] != key[:, :-1], dim=1)
-    return block, block, 0
+    return block, 0
 
 
 def _reverse_linear_scan(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -179,6 +190,111 @@ def _reverse_linear_scan(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         c[:, :-d] = c[:, :-d] * c[:, d:]
         d *= 2
     return a
+
+
+_CHUNK = 64
+"""Chunk length of the two-level prefix sums (``_chunk_prefix``, ``_prefix_at``)."""
+
+
+def _chunk_prefix(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """Inclusive prefix sums over the chunks [j C, (j + 1) C) of each row (C = ``_CHUNK``; the
+    last chunk may be shorter): (B, T) -> (B, ceil(T / C)) in ``acc``.
+
+    Summing chunks is a vectorised reduction, several times cheaper than a full ``cumsum``
+    (a serial scan); with ``_prefix_at`` it gives prefix sums at a few query positions.
+    """
+    B, T = x.shape
+    T0 = T - T % _CHUNK
+    # Chunk sums in the input's dtype (a 0/1 uint8 chunk sums to <= 64: no overflow, and no
+    # converted copy of x); floats in their own precision.
+    part = x.dtype if x.is_floating_point() or x.dtype == torch.uint8 else torch.int64
+    sums = []
+    if T0:  # a view, not a copy, when the rows are contiguous
+        sums.append(x[:, :T0].reshape(B, T0 // _CHUNK, _CHUNK).sum(-1, dtype=part))
+    if T0 < T:
+        sums.append(x[:, T0:].sum(-1, keepdim=True, dtype=part))
+    return torch.cumsum(torch.cat(sums, dim=1).to(acc), dim=1)
+
+
+def _prefix_at(x: torch.Tensor, incl: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """sum_{u < pos} x[b, u] of x (B, T) with its ``_chunk_prefix`` ``incl``, at int64 query
+    positions ``pos`` (B, Q) in [0, T]: the sum of the chunks before the query's chunk plus a
+    gather of that chunk's first ``pos mod C`` tokens. Returns (B, Q) in incl's dtype."""
+    B, T = x.shape
+    Q = pos.shape[1]
+    nC = incl.shape[1]
+    ci = pos // _CHUNK  # (B, Q); pos == T may point one past the last chunk
+    j = torch.arange(_CHUNK, device=pos.device)
+    take = j < (pos - ci * _CHUNK).unsqueeze(-1)  # (B, Q, C) tokens of the chunk before pos
+    idx = (ci.clamp(max=nC - 1).unsqueeze(-1) * _CHUNK + j).clamp_(max=T - 1).view(B, Q * _CHUNK)
+    base = incl.gather(1, (ci - 1).clamp_(min=0)).masked_fill_(ci == 0, 0)  # chunks before ci
+    part = (x.gather(1, idx).view(B, Q, _CHUNK) * take).sum(-1)  # (B, Q)
+    return base + part.to(incl.dtype)
+
+
+def _nth(x: torch.Tensor, incl: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Position of the n-th nonzero (1-based) in each row of the 0/1 ``x`` (B, T), for int64
+    counts n (B, Q) in [1, row total] (others give some position in [0, T)); ``incl`` is
+    ``_chunk_prefix(x, torch.int64)``."""
+    B, T = x.shape
+    Q = n.shape[1]
+    nC = incl.shape[1]
+    ci = torch.searchsorted(incl, n).clamp_(max=nC - 1)  # (B, Q) the chunk holding it
+    need = n - incl.gather(1, (ci - 1).clamp(min=0)).masked_fill_(ci == 0, 0)  # 1-based in ci
+    j = torch.arange(_CHUNK, device=n.device)
+    idx = (ci.unsqueeze(-1) * _CHUNK + j).clamp_(max=T - 1).view(B, Q * _CHUNK)
+    # Positions past T repeat x[T - 1]; they come after the chunk's real tokens, so the count
+    # of tokens before the n-th one is unaffected.
+    local = torch.cumsum(x.gather(1, idx).view(B, Q, _CHUNK), dim=-1, dtype=torch.int64)
+    off = (local < need.unsqueeze(-1)).sum(-1)  # (B, Q) tokens of chunk ci before the n-th
+    return (ci * _CHUNK + off).clamp_(max=T - 1)
+
+
+def _expand_blocks(
+    Q: torch.Tensor,  # (B, K) one value per block
+    key: torch.Tensor,  # (B, T) sorted block keys: token t is in block key[t] - offset
+    offset: int,
+    mf: torch.Tensor,  # (B, T) 0/1 action mask, Q's dtype
+) -> torch.Tensor:
+    """``Q[b, key[b, t] - offset] * mf[b, t]`` (B, T) without reading every token's key.
+
+    A chunk of ``_CHUNK`` tokens lies inside one block unless a block edge falls inside it (at
+    most K per row, against T / C chunks): every chunk gets its first token's block value by
+    one broadcast multiply, then the chunks that hold an edge, and the tail past the last full
+    chunk, are recomputed token by token from ``key``.
+    """
+    B, T = mf.shape
+    C = _CHUNK
+    nC = T // C
+    T0 = nC * C
+    out = torch.empty_like(mf)
+    if nC:
+        kc = (key[:, :T0:C] - offset).long()  # (B, nC) block of each chunk's first token
+        torch.mul(Q.gather(1, kc).unsqueeze(-1), mf[:, :T0].view(B, nC, C),
+                  out=out[:, :T0].view(B, nC, C))
+    # The chunks whose last token is in another block than their first, and the tail chunk.
+    last_key = torch.cat([key[:, C - 1:T0:C], key[:, -1:]], dim=1)  # (B, nC + 1)
+    first_key = torch.cat([key[:, :T0:C], key[:, T0:T0 + 1] if T0 < T else key[:, -1:]], dim=1)
+    straddle = last_key != first_key  # (B, nC + 1); column nC: the tail (if any)
+    if T0 < T:
+        straddle[:, nC] = True
+    n_fix = int(straddle.sum(1).max())
+    if n_fix:
+        # Up to n_fix chunks a row (rows with fewer repeat a chunk: the duplicate writes agree).
+        fix = torch.sort(straddle.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :n_fix]
+        fix = torch.where(straddle.gather(1, fix), fix, fix[:, :1])
+        idx = (fix.unsqueeze(-1) * C + torch.arange(C, device=mf.device)).clamp_(max=T - 1).view(B, -1)
+        block = (key.gather(1, idx) - offset).long()
+        out.scatter_(1, idx, Q.gather(1, block) * mf.gather(1, idx))
+    return out
+
+
+def _action_float(action_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T) 1 where ``action_mask`` is nonzero, else 0, in ``dtype``: one pass."""
+    if action_mask.dtype == torch.bool:
+        return action_mask.view(torch.uint8).to(dtype)  # the uint8 route is the fast cast
+    return torch.ne(action_mask, 0, out=torch.empty(action_mask.shape, dtype=dtype,
+                                                    device=action_mask.device))
 
 
 @torch.no_grad()
@@ -197,41 +313,50 @@ def tb_gae(
     B, T = values.shape
     if B == 0 or T == 0:
         return torch.zeros_like(values), torch.zeros_like(values)
-    m = action_mask.bool()  # (B, T) any nonzero entry marks an action token
-    mf = m.view(torch.uint8).to(dtype)  # (B, T) 0/1 (the uint8 route is the fast cast)
+    mf = _action_float(action_mask, dtype)  # (B, T) 0/1: any nonzero entry marks an action
     r = rewards.to(dtype)  # (B, T)
 
-    # Rewards must sit on action tokens: never silently dropped.
-    bad = r.bool() > m  # (B, T) nonzero reward where no action
-    if _any(bad):
-        b, t = _first_true(bad)
-        raise ValueError(
-            f"tb_gae: rewards[{b}, {t}] = {float(r[b, t])} sits on a non-action position; "
-            "fix: put rewards on the last action token (minirsi.episode.collate does)")
-
-    key, block, offset = _turn_blocks(turn_ids, m)  # (B, T), (B, T) int64 in [0, K), int
-    K = int(block[:, -1].max()) + 1
-
-    acts = torch.cumsum(m, dim=1, dtype=torch.int32)  # (B, T) actions so far (inclusive)
-    # F_excl[t] = sum_{u < t} r_u, written straight into place (no shifted copy).
-    F_excl = torch.empty_like(r)  # (B, T)
-    F_excl[:, 0] = 0
-    torch.cumsum(r[:, :-1], dim=1, out=F_excl[:, 1:])
-
+    key, offset = _turn_blocks(turn_ids, mf)  # (B, T) sorted; block of a token: key - offset
+    K = int(key[:, -1].max()) - offset + 1
     # Block k is the token range [bounds_k, bounds_{k+1}): one search for keys k .. K.
     j = torch.arange(offset, offset + K + 1, device=key.device, dtype=key.dtype)
     bounds = torch.searchsorted(key, j.expand(B, K + 1).contiguous())  # (B, K + 1) int64
-    # Actions and rewards before each bound: the inclusive prefix at bound - 1 (0 at 0).
-    last = (bounds - 1).clamp_(min=0)
-    inside = bounds > 0
-    acts_before = acts.gather(1, last) * inside  # (B, K + 1) int32
-    F_before = (F_excl.gather(1, last).double() + r.gather(1, last).double()) * inside
-    has_action = acts_before[:, 1:] > acts_before[:, :-1]  # (B, K) bool
-    first = torch.searchsorted(acts, acts_before[:, :-1] + 1).clamp_(max=T - 1)  # (B, K)
-    V_first = values.gather(1, first).double()  # (B, K) V of the turn's first action
-    F_end = F_before[:, 1:]  # (B, K) rewards before each block's end
-    R_tot = F_end - F_before[:, :-1]  # (B, K) Rtot_k
 
+    # Per turn: actions before each bound, the first and last action. Few turns (the regime
+    # TB-GAE is for): chunked prefix sums read at the bounds; else a full cumsum.
+    chunked = K + 1 <= T // _CHUNK
+    if chunked:
+        acts_incl = _chunk_prefix(mf, torch.int64)  # (B, T / C)
+        acts_before = _prefix_at(mf, acts_incl, bounds)  # (B, K + 1) int64
+    else:
+        acts = torch.cumsum(mf, dim=1, dtype=torch.int64)  # (B, T) actions so far
+        acts_before = acts.gather(1, (bounds - 1).clamp(min=0)) * (bounds > 0)
+    has_action = acts_before[:, 1:] > acts_before[:, :-1]  # (B, K) bool
+    n = torch.cat([acts_before[:, :-1] + 1, acts_before[:, 1:]], dim=1)  # (B, 2K) 1-based counts
+    pos = _nth(mf, acts_incl, n) if chunked else torch.searchsorted(acts, n).clamp_(max=T - 1)
+    first, last = pos.split(K, dim=1)  # (B, K) the turn's first and last action (if any)
+
+    # Rewards. When every nonzero reward sits on the last action of its turn (collate's
+    # layout; counting proves it, and with it that none sits off-action), Rtot_k is that one
+    # reward and every action of turn k has the same return R_t = Rtot_k + X_k. Otherwise a
+    # full prefix sum F gives Rtot_k and R_t = (F_end_k + X_k) - F_excl_t.
+    r_last = torch.where(has_action, r.gather(1, last), 0.0)  # (B, K)
+    n_rewards = r.bool().view(torch.uint8).sum(1, dtype=torch.int32)  # (B,) nonzero rewards
+    rewards_on_last = torch.equal((r_last != 0).sum(1, dtype=torch.int32), n_rewards)
+    if rewards_on_last:
+        R_tot = r_last.double()  # (B, K)
+    else:
+        bad = r.bool() > mf.bool()  # (B, T) nonzero reward where no action
+        if _any(bad):
+            b, t = _first_true(bad)
+            raise ValueError(
+                f"tb_gae: rewards[{b}, {t}] = {float(r[b, t])} sits on a non-action position; "
+                "fix: put rewards on the last action token (minirsi.episode.collate does)")
+        F = torch.cumsum(r, dim=1, dtype=torch.float64)  # (B, T) rewards up to t
+        F_before = F.gather(1, (bounds - 1).clamp(min=0)) * (bounds > 0)  # (B, K + 1)
+        R_tot = F_before[:, 1:] - F_before[:, :-1]  # (B, K)
+
+    V_first = values.gather(1, first).double()  # (B, K) V of the turn's first action
     # Equation (2), as Z_k = a_k + c_k Z_{k+1}: the continuation seen just before block k.
     a = torch.where(has_action, g * (1 - l) * V_first + g * l * R_tot, 0.0)
     c = torch.full_like(a, g * l).masked_fill_(~has_action, 1.0)  # empty blocks: identity
@@ -239,11 +364,17 @@ def tb_gae(
     X = torch.zeros_like(Z)
     X[:, :-1] = Z[:, 1:]  # X_k = Z_{k+1}
 
-    # Equation (1): R_t = (F_end_k - F_excl_t) + X_k = Q_k - F_excl_t, on action tokens.
-    Q = (F_end + X).to(dtype)  # (B, K)
-    returns = Q.gather(1, block)  # (B, T)
-    returns.sub_(F_excl).mul_(mf)
-    advantages = torch.addcmul(returns, values, mf, value=-1.0)  # R_t - V_t, 0 off-action
+    # Equation (1) on action tokens (0 elsewhere).
+    if rewards_on_last and chunked:
+        returns = _expand_blocks((R_tot + X).to(dtype), key, offset, mf)  # (B, T)
+    else:
+        block = (key - offset if offset else key).long()  # (B, T) block of every token
+        if rewards_on_last:
+            returns = (R_tot + X).to(dtype).gather(1, block).mul_(mf)
+        else:  # F_excl_t = F_t - r_t; in float64, then cast
+            returns = (F_before[:, 1:] + X).gather(1, block).sub_(F).add_(r).to(dtype).mul_(mf)
+    # A_t = R_t - V_t, 0 off-action; written over the mask (one fresh (B, T) buffer less).
+    advantages = torch.addcmul(returns, values, mf, value=-1.0, out=mf)
     return advantages, returns
 
 

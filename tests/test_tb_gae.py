@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import minirsi.tb_gae as tb_gae_module
 from minirsi.tb_gae import tb_gae, tb_gae_chunked, tb_gae_reference
 
 SETTINGS = settings(max_examples=120, deadline=None,
@@ -100,6 +102,60 @@ def test_matches_per_token_loop(batch):
     torch.testing.assert_close(R, R_ref, atol=tol, rtol=0)
     off = ~action_mask.bool()
     assert (A[off] == 0).all() and (R[off] == 0).all()
+
+
+@SETTINGS
+@given(batches(), st.sampled_from([1, 2, 3, 4, 8]))
+def test_chunked_prefix_path_matches_per_token_loop(batch, chunk):
+    # With few turns per token tb_gae reads prefix sums chunk by chunk and expands each
+    # turn's value over whole chunks (_chunk_prefix, _prefix_at, _nth, _expand_blocks); a
+    # tiny chunk length makes the hypothesis batches take that path.
+    rewards, values, action_mask, turn_ids, g, l = batch
+    with mock.patch.object(tb_gae_module, "_CHUNK", chunk):
+        A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l)
+    A_ref, R_ref = tb_gae_reference(rewards, values, action_mask, turn_ids, g, l)
+    tol = tolerance(rewards, values)
+    torch.testing.assert_close(A, A_ref, atol=tol, rtol=0)
+    torch.testing.assert_close(R, R_ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["collate", "reward_mid_turn", "interleaved", "sparse_ids"])
+def test_chunked_and_full_cumsum_paths_agree_on_long_rows(layout):
+    # T = 5,000 with ~12 turns a row takes the chunked path (K + 1 <= T / 64); a huge chunk
+    # length forces the full-cumsum path on the same batch. Layouts: collate's (rewards on
+    # the last action of the episode), rewards inside turns (the per-token prefix-sum
+    # fallback), actions interleaved with other tokens inside a turn, and sparse turn ids.
+    gen = torch.Generator().manual_seed(7)
+    B, T = 3, 5_000
+    turn_ids = torch.cumsum(torch.rand(B, T, generator=gen) < 0.0025, dim=1)
+    if layout == "interleaved":
+        mask = torch.rand(B, T, generator=gen) < 0.5
+    else:  # the first ~half of every turn acts, the rest observes
+        pos = torch.arange(T).expand(B, T)
+        start = torch.zeros(B, T, dtype=torch.long)
+        start[:, 1:] = torch.where(turn_ids[:, 1:] != turn_ids[:, :-1], pos[:, 1:], 0)
+        start = torch.cummax(start, dim=1).values
+        mask = (pos - start) % 400 < 200
+    mask[0, 4_000:] = False  # right padding on one row
+    if layout == "sparse_ids":
+        turn_ids = turn_ids * 10**9
+    values = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    rewards = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        acts = mask[b].nonzero()[:, 0]
+        rewards[b, acts[-1]] = 1.5
+        if layout == "reward_mid_turn":
+            rewards[b, acts[len(acts) // 3]] = -0.5
+    A, R = tb_gae(rewards, values, mask.float(), turn_ids, 0.99, 0.9)
+    with mock.patch.object(tb_gae_module, "_CHUNK", 10**9):
+        A_full, R_full = tb_gae(rewards, values, mask.float(), turn_ids, 0.99, 0.9)
+    torch.testing.assert_close(A, A_full, atol=1e-9, rtol=0)
+    torch.testing.assert_close(R, R_full, atol=1e-9, rtol=0)
+    A_ref, _ = tb_gae_reference(rewards[:, :1500], values[:, :1500], mask[:, :1500],
+                                turn_ids[:, :1500], 0.99, 0.9)
+    A_pre, _ = tb_gae(rewards[:, :1500], values[:, :1500], mask[:, :1500].float(),
+                      turn_ids[:, :1500], 0.99, 0.9)
+    torch.testing.assert_close(A_pre, A_ref, atol=1e-9, rtol=0)
 
 
 def test_long_float32_sequence_keeps_precision():
