@@ -19,9 +19,10 @@ built by appending ids, never by re-tokenising text:
 
 The loop, one step at a time::
 
-    admit episodes up to ``concurrency`` (open their sandboxes concurrently)
+    admit episodes up to ``concurrency`` (their sandboxes open in a thread pool)
     while any episode is live:
         samples = sampler.generate([context of every live episode])   # ONE batched call
+        (new episodes' sandboxes finished opening meanwhile: wait for them)
         parse each reply; run the commands of all episodes concurrently (thread pool)
         append observations; episodes that completed / hit a limit go to the verifier
         (verifiers run in a second pool while generation goes on); admit new episodes
@@ -129,7 +130,8 @@ class RolloutStats:
     generate_s: float = 0.0
     """Seconds inside ``sampler.generate``."""
     open_s: float = 0.0
-    """Seconds waiting for new episodes' sandboxes to open."""
+    """Seconds waiting for new episodes' sandboxes to open (after their first generation,
+    which the opening overlaps)."""
     commands_s: float = 0.0
     """Seconds waiting for the step's commands (all episodes' run concurrently)."""
     drain_s: float = 0.0
@@ -154,6 +156,8 @@ class _Run:
     started: float
     limit_s: float
     sandbox: Any = None
+    opening: Future | None = None
+    """The sandbox being opened in the pool (overlapping the episode's first generation)."""
     logprobs: list[float | None] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turn_ids: list[int] = field(default_factory=list)
@@ -245,16 +249,14 @@ def collect(
     bar = tqdm(total=len(tasks), desc="rollout", unit="ep", disable=not progress)
 
     def start(i: int) -> _Run:
+        """A new live episode; its sandbox opens in the pool while its first action is sampled."""
         task = tasks[i]
         limit = min(cfg.episode_timeout, float(getattr(task, "agent_timeout_sec", None) or math.inf))
         run = _Run(i, task, list(prompts[i]), time.monotonic(), limit, prompt_len=len(prompts[i]))
         run.logprobs = [None] * len(run.ids)
         run.mask = [0] * len(run.ids)
         run.turn_ids = [0] * len(run.ids)
-        try:
-            run.sandbox = open_sandbox(task, cfg.backend)
-        except Exception as e:  # any failure to start is this episode's failure, not the batch's
-            run.stop_reason, run.error = "sandbox_error", f"sandbox did not open: {type(e).__name__}: {e}"
+        run.opening = work.submit(open_sandbox, task, cfg.backend)
         return run
 
     def harvest(block: bool) -> None:
@@ -279,14 +281,7 @@ def collect(
         step = 0
         while queue or live:
             admit = [queue.popleft() for _ in range(min(len(queue), cfg.concurrency - len(live)))]
-            t0 = time.monotonic()
-            opened = list(work.map(start, admit))
-            stats.open_s += time.monotonic() - t0
-            for run in opened:
-                if run.stop_reason is None:
-                    live.append(run)
-                else:
-                    finishing.append(fin.submit(_finish, run, verify))
+            live += [start(i) for i in admit]
             for run in live:  # the time limit is checked between turns
                 if run.turns > 0 and run.remaining() <= 0:
                     run.stop_reason = "timeout"
@@ -305,14 +300,20 @@ def collect(
             step += 1
             if len(samples) != len(live):
                 raise RuntimeError(f"sampler returned {len(samples)} samples for {len(live)} prompts")
+            t0 = time.monotonic()
+            for run in live:  # new episodes: their sandboxes opened while the batch was sampled
+                _opened(run)
+            stats.open_s += time.monotonic() - t0
+            # An episode whose sandbox did not open ends without its first action (never acted).
+            acting = [(r, s) for r, s in zip(live, samples) if r.stop_reason is None]
 
             # Parse in this thread (tokenizers are not shared across threads), run in the pool.
-            plans = [_append_action(r, s, tokenizer) for r, s in zip(live, samples)]
-            futures = [work.submit(_run_commands, r, p.commands, cfg.command_timeout) for r, p in zip(live, plans)]
+            plans = [_append_action(r, s, tokenizer) for r, s in acting]
+            futures = [work.submit(_run_commands, r, p.commands, cfg.command_timeout) for (r, _), p in zip(acting, plans)]
             t0 = time.monotonic()
             outcomes = [f.result() for f in futures]
             stats.commands_s += time.monotonic() - t0
-            for run, plan, sample, results in zip(live, plans, samples, outcomes):
+            for (run, sample), plan, results in zip(acting, plans, outcomes):
                 _observe(run, plan, sample, results, tokenizer, cfg)
             _retire(live, finishing, fin, verify)
             harvest(block=False)
@@ -321,6 +322,7 @@ def collect(
         stats.drain_s += time.monotonic() - t0
     finally:
         for run in live:  # interrupted: close what is still open, keep what was written
+            _opened(run)
             _close(run)
         work.shutdown(wait=False, cancel_futures=True)
         # Episodes that already ended are verified and written even after an interruption (each
@@ -356,6 +358,17 @@ def _retire(live: list[_Run], finishing: list[Future], fin: ThreadPoolExecutor, 
         else:
             finishing.append(fin.submit(_finish, run, verify))
     live[:] = keep
+
+
+def _opened(run: _Run) -> None:
+    """Wait for the run's sandbox to open; a failure to open ends only this episode."""
+    if run.opening is None:
+        return
+    f, run.opening = run.opening, None
+    try:
+        run.sandbox = f.result()
+    except Exception as e:  # any failure to start is this episode's failure, not the batch's
+        run.stop_reason, run.error = "sandbox_error", f"sandbox did not open: {type(e).__name__}: {e}"
 
 
 def _append_action(run: _Run, sample: Sample, tokenizer: Any) -> actions.ParsedAction:
