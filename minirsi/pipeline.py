@@ -788,11 +788,13 @@ class RecipeRunner:
 
         actor, tok = load_actor(inputs.actor, device=cfg.device)
         stage_cfg = dataclasses.replace(getattr(cfg, spec.config_key), seed=stage_seed(cfg.seed, spec.name))
+        optimizer = rsr.make_optimizer(actor, stage_cfg)
         with JsonlWriter(out / "episodes.jsonl") as writer:
             stats = rsr.run_rsr(actor, tok, self.tasks(cfg, run_, "train"), stage_cfg,
                                 _recording(self._rollout_fn(cfg, tok), writer),
-                                log_fn=lambda rec: log(0, rec))
+                                log_fn=lambda rec: log(0, rec), optimizer=optimizer)
         save_actor(actor, tok, out / "actor")
+        torch.save({"actor": optimizer.state_dict()}, out / "optimizer.pt")
         out_stats = stats.to_dict()
         (out / "rewrites.json").write_text(json.dumps(out_stats.pop("kept"), indent=1) + "\n")
         return out_stats

@@ -91,6 +91,11 @@ class RPRConfig:
     """c_H: entropy bonus weight; entropy is always logged."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
+    target_kl: float = 0.0
+    """Early stop: once a minibatch's approx_kl (k3 of pi_theta against logp_old, measured
+    before its update) exceeds ``target_kl``, the actor takes no more optimizer steps this RPR
+    step (the critic's minibatches go on). 0 = off. Lets a stage use a larger ``lr_actor``
+    without the policy running away from the rollouts it learns from."""
     minibatch_size: int = 8
     """Episodes per optimizer step."""
     grad_accum: int = 1
@@ -124,7 +129,7 @@ class RPRConfig:
                 raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be in [0, 1]")
         if not 0.0 < self.clip_eps < 1.0:
             raise ValueError(f"RPRConfig.clip_eps={self.clip_eps}: must be in (0, 1), e.g. 0.2")
-        for name in ("value_clip", "value_coef", "kl_coef", "entropy_coef"):
+        for name in ("value_clip", "value_coef", "kl_coef", "entropy_coef", "target_kl"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be >= 0")
         for name in ("ppo_epochs", "minibatch_size", "grad_accum", "episodes_per_step", "forward_chunk"):
@@ -331,7 +336,8 @@ def ppo_update(
     sums: dict[str, float] = {k: 0.0 for k in ("policy_loss", "value_loss", "clip_frac", "entropy",
                                                "approx_kl", "kl_ref")}
     norms = {"grad_norm_actor": 0.0, "grad_norm_critic": 0.0}
-    seen, n_steps = 0.0, 0
+    seen, n_steps, actor_steps = 0.0, 0, 0
+    stopped = not update_actor  # target_kl reached: the actor is only read from then on
     gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
     actor.train()
     critic.train()
@@ -340,10 +346,11 @@ def ppo_update(
             n_tok = sum(mask_all[idx].sum() for idx in micro).clamp(min=1)  # N of this minibatch
             optimizers.actor.zero_grad(set_to_none=True)
             optimizers.critic.zero_grad(set_to_none=True)
+            mb_kl, mb_w = 0.0, 0.0
             for idx in micro:
                 mb = {k: v[idx] for k, v in batch.items()}
                 m = mb["action_mask"]
-                with (nullcontext() if update_actor else torch.no_grad()):
+                with (nullcontext() if not stopped else torch.no_grad()):
                     logprobs, entropy = policy_forward(actor, mb["input_ids"], mb["attention_mask"],
                                                        cfg.temperature, with_entropy=True,
                                                        entropy_grad=cfg.entropy_coef > 0)
@@ -354,7 +361,7 @@ def ppo_update(
                     l_actor = l_clip + cfg.kl_coef * l_kl - cfg.entropy_coef * l_h
                 values = critic(mb["input_ids"], mb["attention_mask"])  # (b, T)
                 l_v = value_loss(values, mb["old_values"], mb["returns"], m, cfg.value_clip, n_tok)
-                total = cfg.value_coef * l_v + (l_actor if update_actor else 0.0)
+                total = cfg.value_coef * l_v + (l_actor if not stopped else 0.0)
                 total.backward()
                 w = float(m.sum())
                 sums["policy_loss"] += float(l_clip.detach()) * float(n_tok)
@@ -362,17 +369,25 @@ def ppo_update(
                 sums["entropy"] += float(l_h.detach()) * float(n_tok)
                 sums["kl_ref"] += float(l_kl.detach()) * float(n_tok)
                 sums["clip_frac"] += float(clip_frac) * w
-                sums["approx_kl"] += float(kl_penalty(logprobs.detach(), mb["old_logprobs"], m)) * w
+                kl = float(kl_penalty(logprobs.detach(), mb["old_logprobs"], m))
+                sums["approx_kl"] += kl * w
+                mb_kl, mb_w = mb_kl + kl * w, mb_w + w
                 seen += w
-            if update_actor:
+            if not stopped and cfg.target_kl > 0 and mb_kl / max(mb_w, 1.0) > cfg.target_kl:
+                stopped = True  # this minibatch's gradient is dropped, and all later ones
+                optimizers.actor.zero_grad(set_to_none=True)
+            if not stopped:
                 trainable = [p for p in actor.parameters() if p.requires_grad]
                 norms["grad_norm_actor"] += float(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm))
                 optimizers.actor.step()
+                actor_steps += 1
             norms["grad_norm_critic"] += float(torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm))
             optimizers.critic.step()
             n_steps += 1
     metrics = {k: v / max(seen, 1.0) for k, v in sums.items()}
+    norms["grad_norm_actor"] *= n_steps / max(actor_steps, 1)  # mean over the actor's own steps
     metrics.update({k: v / max(n_steps, 1) for k, v in norms.items()})  # before clipping, mean per step
+    metrics["actor_updates"] = float(actor_steps)
     metrics["explained_variance"] = explained_variance(batch["returns"], batch["old_values"], mask_all)
     metrics["action_tokens"] = float(mask_all.sum())
     return metrics

@@ -310,13 +310,20 @@ def sft_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     return torch.where(m, nll, torch.zeros_like(nll)).sum() / m.sum().clamp(min=1)
 
 
-def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: RSRConfig, pad_id: int) -> list[float]:
-    """Cross-entropy on action tokens: ``cfg.epochs`` seeded-shuffled passes, AdamW at ``cfg.lr``.
+def make_optimizer(model: nn.Module, cfg: RSRConfig) -> torch.optim.Optimizer:
+    """AdamW at ``cfg.lr`` over the trainable parameters (LoRA: the adapters only)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+
+
+def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: RSRConfig, pad_id: int,
+        optimizer: torch.optim.Optimizer | None = None) -> list[float]:
+    """Cross-entropy on action tokens: ``cfg.epochs`` seeded-shuffled passes, AdamW at ``cfg.lr``
+    (``optimizer``, when given, is used and keeps its state for the caller to checkpoint).
 
     examples: (token_ids, action_mask) pairs. Returns the loss of every optimizer step."""
     if not examples:
         return []
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
     rng = random.Random(cfg.seed)
     losses = []
     model.train()
@@ -391,6 +398,7 @@ def run_rsr(
     planner: Planner | None = None,
     replay_fn: ReplayFn | None = None,
     log_fn: Callable[[dict[str, Any]], None] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> RSRStats:
     """One RSR stage on ``actor`` (fine-tuned in place). The critic is not an argument: RSR
     cannot touch it.
@@ -399,6 +407,7 @@ def run_rsr(
         rollout_fn: ``rollout_fn(actor, tasks, seed) -> episodes`` (``rpr.make_rollout_fn``).
         planner: defaults to ``cfg.planner`` (LLMPlanner on the actor, or ReplayMinimiser).
         replay_fn: defaults to a fresh ``cfg.backend`` sandbox + the verifier per call.
+        optimizer: the SFT optimizer (default: ``make_optimizer``); pass one to checkpoint it.
     """
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -448,7 +457,7 @@ def run_rsr(
     stats.sft_examples = len(examples)
     stats.mean_turns_after = sum(turns_after) / len(turns_after) if turns_after else 0.0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    losses = sft(actor, list(examples.values()), cfg, pad_id)
+    losses = sft(actor, list(examples.values()), cfg, pad_id, optimizer)
     if losses:
         stats.sft_loss_first, stats.sft_loss_last = losses[0], losses[-1]
     stats.seconds = time.perf_counter() - t0

@@ -194,6 +194,26 @@ def test_ppo_update_moves_log_probs_in_the_direction_of_the_advantage():
     assert torch.all(change * sign[:, 0] > 0), change
 
 
+def test_target_kl_stops_the_actor_not_the_critic():
+    actor = tiny_qwen()
+    critic = build_critic(actor)
+    batch = synthetic_batch(n=6, seed=3)
+    with torch.no_grad():
+        lp, _ = policy_forward(actor, batch["input_ids"], batch["attention_mask"], 1.0)
+    batch["old_logprobs"] = lp * batch["action_mask"]  # on-policy: the first minibatch has KL 0
+    runs = {}
+    for target in (0.0, 1e-9):
+        a, c = copy.deepcopy(actor), copy.deepcopy(critic)
+        cfg = _cfg(minibatch_size=2, ppo_epochs=2, lr_actor=1e-2, target_kl=target)
+        c0 = fingerprint(c)
+        runs[target] = ppo_update(a, c, dict(batch), cfg, make_optimizers(a, c, cfg))
+        assert fingerprint(c) != c0  # the critic trains on every minibatch either way
+    assert runs[0.0]["actor_updates"] == 6  # 2 epochs x 3 minibatches
+    # The first step moves the policy; the next minibatch measures KL > 1e-9 and stops it.
+    assert runs[1e-9]["actor_updates"] == 1
+    assert runs[1e-9]["approx_kl"] > 0
+
+
 def test_calibration_update_leaves_actor_bit_identical():
     actor = tiny_qwen()
     critic = build_critic(actor)
