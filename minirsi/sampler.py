@@ -159,6 +159,22 @@ class _Slots:
         return self._start
 
 
+def _draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One id per row from ``softmax`` = exp(logp) (a, V), by inverting the CDF: the first id
+    whose cumulative probability exceeds u * total, u ~ U[0, 1) from ``generator``.
+
+    The same distribution as ``torch.multinomial(p, 1)``, which cost ~30 us a row on CPU (1 ms
+    a decode step at 32 rows, a quarter of the step) where this costs ~2 us a row. The cumulative
+    sum is float64, so rounding moves probability by < 1e-12; an id of probability 0 is never
+    drawn (its cumulative value equals its predecessor's, and the search takes the first id
+    strictly above u * total).
+    """
+    cdf = logp.double().exp().cumsum(dim=-1)  # (a, V)
+    u = torch.rand((logp.shape[0], 1), generator=generator, dtype=torch.float64, device=logp.device)  # (a, 1)
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # (a, 1)
+    return ids.clamp_(max=logp.shape[-1] - 1)
+
+
 def _prefill_groups(lengths: list[int], call_tokens: int) -> list[tuple[int, int]]:
     """Split rows (``lengths`` sorted longest first) into slices [r0, r1) prefilled together.
 
@@ -394,7 +410,7 @@ class HFSampler:
             z = logits[live].float()  # (a, V)
             if temperature > 0:
                 logp = torch.log_softmax(z / temperature, dim=-1)  # (a, V)
-                next_ids = torch.multinomial(logp.exp(), 1, generator=generator)  # (a, 1)
+                next_ids = _draw(logp, generator)  # (a, 1)
             else:
                 logp = torch.log_softmax(z, dim=-1)
                 next_ids = logp.argmax(dim=-1, keepdim=True)

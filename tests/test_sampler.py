@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minirsi.models import IM_END, build_tiny_actor, build_tokenizer, token_logprobs
-from minirsi.sampler import HFSampler, OpenAISampler, OpenAISamplerError, Sample
+from minirsi.sampler import HFSampler, OpenAISampler, OpenAISamplerError, Sample, _draw, _prefill_groups
 from minirsi.serve import CompletionServer, start_in_thread
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,38 @@ def test_stop_token_ends_its_row_only_and_is_kept(sampler, tok):
     for f, s in zip(free[1:], stopped[1:]):  # other rows run on until their own stop
         expect = f.token_ids[: f.token_ids.index(stop_id) + 1] if stop_id in f.token_ids else f.token_ids
         assert s.token_ids == expect
+
+
+def test_prefill_groups_pay_padding_against_calls():
+    # Rows sorted longest first. One call of all six: 32 + 6 x 55 = 362 token-costs; two calls
+    # [55, 40] + [29, 29, 14, 14]: (32 + 2 x 55) + (32 + 4 x 29) = 290, the minimum.
+    assert _prefill_groups([55, 40, 29, 29, 14, 14], 32) == [(0, 2), (2, 6)]
+    assert _prefill_groups([5, 5, 5], 0) == [(0, 3)]  # equal lengths: no padding to save
+    assert _prefill_groups([9, 3], 0) == [(0, 1), (1, 2)]  # free calls: never pad
+    assert _prefill_groups([9, 3], 100) == [(0, 2)]  # dear calls: always one
+
+
+def test_draw_follows_the_distribution_and_never_draws_probability_zero():
+    p = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    ids = _draw(p.log().expand(20000, 4), torch.Generator().manual_seed(0)).squeeze(-1)  # (20000,)
+    freq = torch.bincount(ids, minlength=4).float() / len(ids)
+    assert freq[1] == 0
+    assert torch.allclose(freq, p, atol=0.015)  # ~4 standard errors (sqrt(0.25 / 20000) = 0.0035)
+
+
+def test_prefill_in_groups_changes_nothing(model, tok):
+    """prefill_call_tokens=0 prefills each distinct new length in its own call (prefix hits
+    included); the ids and log-probs are those of one padded call."""
+    grouped, single = HFSampler(model, tok, prefill_call_tokens=0), HFSampler(model, tok, prefill_call_tokens=10**6)
+    prompts = _prompts(tok) + [_prompts(tok)[0][:5]]
+    for turn in range(2):
+        a = grouped.generate(prompts, 10, 0.0, [])
+        b = single.generate(prompts, 10, 0.0, [])
+        assert [s.token_ids for s in a] == [s.token_ids for s in b]
+        for x, y in zip(a, b):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=LOGPROB_TOL)
+        prompts = [p + s.token_ids + [7] * (k + 1) for k, (p, s) in enumerate(zip(prompts, a))]
+    assert grouped.cache_hits == single.cache_hits == 4
 
 
 def test_chunked_batches_give_the_same_greedy_ids(model, tok, sampler):
