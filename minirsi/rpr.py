@@ -106,6 +106,11 @@ class RPRConfig:
     """Critic learning rate for this stage (AdamW)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip, per model."""
+    lr_warmup_updates: int = 0
+    """Linear warm-up of the actor's learning rate over its first optimizer steps (counted by
+    the optimizer's own state, so a resumed or continued stage goes on where it stopped);
+    0 = none. Adam's first steps move every parameter by ~lr whatever the gradient's size,
+    which on a small model can swing some token probabilities by orders of magnitude."""
     episodes_per_step: int = 16
     """Rollouts per RPR step (tasks are cycled in a seeded shuffled order, repeating as needed)."""
     steps: int = 20
@@ -132,6 +137,8 @@ class RPRConfig:
         for name in ("value_clip", "value_coef", "kl_coef", "entropy_coef", "target_kl"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be >= 0")
+        if self.lr_warmup_updates < 0:
+            raise ValueError(f"RPRConfig.lr_warmup_updates={self.lr_warmup_updates}: must be >= 0")
         for name in ("ppo_epochs", "minibatch_size", "grad_accum", "episodes_per_step", "forward_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be >= 1")
@@ -377,6 +384,8 @@ def ppo_update(
                 stopped = True  # this minibatch's gradient is dropped, and all later ones
                 optimizers.actor.zero_grad(set_to_none=True)
             if not stopped:
+                if cfg.lr_warmup_updates:
+                    _warmup_lr(optimizers.actor, cfg.lr_actor, cfg.lr_warmup_updates)
                 trainable = [p for p in actor.parameters() if p.requires_grad]
                 norms["grad_norm_actor"] += float(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm))
                 optimizers.actor.step()
@@ -391,6 +400,19 @@ def ppo_update(
     metrics["explained_variance"] = explained_variance(batch["returns"], batch["old_values"], mask_all)
     metrics["action_tokens"] = float(mask_all.sum())
     return metrics
+
+
+def _warmup_lr(optimizer: torch.optim.Optimizer, lr: float, warmup: int) -> None:
+    """Set lr * min(1, (n + 1) / warmup) for the optimizer's next step, n = steps taken so far
+    (Adam's per-parameter ``step`` state; 0 before the first step)."""
+    n = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if step is not None:
+                n = max(n, int(step))
+    for group in optimizer.param_groups:
+        group["lr"] = lr * min(1.0, (n + 1) / warmup)
 
 
 def logprob_gap(batch: dict[str, torch.Tensor]) -> float:

@@ -214,6 +214,24 @@ def test_target_kl_stops_the_actor_not_the_critic():
     assert runs[1e-9]["approx_kl"] > 0
 
 
+def test_lr_warmup_ramps_the_actor_step_by_step():
+    actor = tiny_qwen()
+    critic = build_critic(actor)
+    cfg = _cfg(minibatch_size=2, lr_actor=1e-3, lr_warmup_updates=4)
+    opts = make_optimizers(actor, critic, cfg)
+    seen = []
+    step = opts.actor.step
+
+    def record(*a, **kw):
+        seen.append(opts.actor.param_groups[0]["lr"])
+        return step(*a, **kw)
+
+    opts.actor.step = record
+    ppo_update(actor, critic, synthetic_batch(n=6, seed=2), cfg, opts)  # 3 minibatches
+    ppo_update(actor, critic, synthetic_batch(n=6, seed=3), cfg, opts)  # goes on from step 3
+    assert seen == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+
+
 def test_calibration_update_leaves_actor_bit_identical():
     actor = tiny_qwen()
     critic = build_critic(actor)
