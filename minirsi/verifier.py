@@ -18,9 +18,10 @@ After the agent stops, ``verify(sandbox, task)``:
    and the checks the XML (if any) recorded. TB1 tasks write no reward.txt: S = (run-tests.sh
    exited 0 and every check passed and there was at least one).
 
-Convention for task authors (the toy suites follow it)
-------------------------------------------------------
-``tests/test.sh``::
+Convention for task authors
+---------------------------
+(The toy suites follow it with ``python3 -I /tests/run_checks.py``, a stdlib runner that writes
+the same junit XML, in place of pytest: toy_envs/run_checks.py.) ``tests/test.sh``::
 
     #!/bin/bash
     cd /app                      # the task's workdir
