@@ -11,10 +11,18 @@ run:
   linear in the number of episodes, but 8 episodes' sampled work can differ from the 32's by
   a third: 229 vs 1279/4 generated tokens in one measurement, so the scaled ratio is noisy).
 
-Prints for each: wall time, seconds inside ``sampler.generate``, the share of wall time spent
-outside generation (sandbox commands, verifier, parsing, bookkeeping; target < 25% for the
-batched run), generated tokens; then the speed-up of batched over sequential (wall time,
-target >= 4x).
+Prints for each: wall time, seconds inside ``sampler.generate`` (wall, and CPU of the thread
+that generates), the share of wall time spent outside generation (sandbox commands, verifier,
+parsing, bookkeeping; target < 25% for the batched run), generated tokens; where the run's CPU
+went (the generating thread, the process's other threads: sandbox opening, commands and
+verifiers, and the sandboxes' own processes), against what the cores allow; then the speed-up
+of batched over sequential (wall time, target >= 4x), of generation (wall), and of the
+generating thread's CPU (what batching the sampler buys when nothing competes with it).
+
+Why generation wall exceeds its CPU: the sampler runs the model in this process and releases
+the GIL at every torch op; the sandbox and verifier threads take it between their system calls
+(they scan /proc, spawn jails, poll pipes), and the generating thread waits to retake it. A
+batched run keeps many such threads busy while it generates, a sequential run one or two.
 
 The model: ``--model DIR`` (e.g. the pretrained Base from ``minirsi pretrain``), else a
 randomly initialised tiny model with a tokenizer trained on the toy corpus. A random model
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import resource
 from collections import Counter
 import tempfile
 
@@ -96,21 +105,34 @@ def main() -> None:
         sampler.generate([[1, 2, 3]], 4, 1.0, [], seed=0)  # warm-up: first-call allocations
         rows = {}
         n_seq = min(args.sequential_episodes or args.episodes, args.episodes)
+        cpu = {}
         for name, conc, subset in (("batched", args.episodes, tasks), ("sequential", 1, tasks[:n_seq])):
             stats = RolloutStats()
+            r0 = (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
             eps = collect(subset, sampler, tok, RolloutConfig(concurrency=conc, **base), progress=False, stats=stats)
+            r1 = (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+            # (this process, its reaped child processes: every sandbox is closed and reaped by now)
+            cpu[name] = tuple(_cpu(b) - _cpu(a) for a, b in zip(r0, r1))
             rows[name] = (stats, eps)
         scale = args.episodes / n_seq  # sequential cost per episode, times the number of episodes
 
     model_name = args.model or "random tiny model"
     print(f"{args.episodes} episodes, <= {args.max_turns} turns, <= {args.max_new_tokens} tokens/turn, {model_name}, {args.backend}")
-    print(f"{'run':<11} {'episodes':>8} {'wall s':>8} {'generate s':>11} {'outside gen':>12} {'gen tokens':>11} {'turns':>6} {'success':>8}  stop reasons")
+    print(f"{'run':<11} {'episodes':>8} {'wall s':>8} {'generate s':>11} {'gen CPU s':>10} {'outside gen':>12} {'gen tokens':>11} {'turns':>6} {'success':>8}  stop reasons")
     for name, (s, eps) in rows.items():
         turns = sum(e.turns for e in eps) / len(eps)
         succ = sum(e.success for e in eps) / len(eps)
         print(
-            f"{name:<11} {len(eps):8d} {s.wall_s:8.2f} {s.generate_s:11.2f} {100 * s.outside_generation:11.1f}% "
+            f"{name:<11} {len(eps):8d} {s.wall_s:8.2f} {s.generate_s:11.2f} {s.generate_cpu_s:10.2f} {100 * s.outside_generation:11.1f}% "
             f"{s.generated_tokens:11d} {turns:6.2f} {succ:8.2f}  {dict(Counter(e.stop_reason for e in eps))}"
+        )
+    cores = len(os.sched_getaffinity(0))
+    for name, (s, _) in rows.items():
+        own, children = cpu[name]
+        total = own + children
+        print(
+            f"{name:<11} CPU: generating thread {s.generate_cpu_s:.2f}s, other work of this process {own - s.generate_cpu_s:.2f}s, "
+            f"sandbox processes {children:.2f}s; total {total:.2f}s, so wall >= {total / cores:.2f}s on {cores} cores"
         )
     for name, (s, _) in rows.items():
         other = s.wall_s - s.generate_s - s.open_s - s.commands_s - s.drain_s
@@ -126,8 +148,13 @@ def main() -> None:
     print(
         f"batched speed-up over one episode at a time ({args.episodes} episodes; sequential scaled x{scale:.1f} "
         f"from {n_seq}): wall {scale * q.wall_s / b.wall_s:.1f}x (target >= 4x), "
-        f"generation only {scale * q.generate_s / b.generate_s:.1f}x"
+        f"generation only {scale * q.generate_s / b.generate_s:.1f}x, "
+        f"generating thread's CPU {scale * q.generate_cpu_s / b.generate_cpu_s:.1f}x"
     )
+
+
+def _cpu(r: resource.struct_rusage) -> float:
+    return r.ru_utime + r.ru_stime
 
 
 if __name__ == "__main__":

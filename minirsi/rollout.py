@@ -130,6 +130,11 @@ class RolloutStats:
     wall_s: float = 0.0
     generate_s: float = 0.0
     """Seconds inside ``sampler.generate``."""
+    generate_cpu_s: float = 0.0
+    """CPU seconds of the collecting thread inside ``sampler.generate`` (``time.thread_time``).
+    Below ``generate_s`` by the time that thread was ready to run but waited: for the GIL, which
+    the sandbox and verifier threads hold between their system calls (an in-process sampler
+    releases and retakes it at every torch op), or for a core."""
     open_s: float = 0.0
     """Seconds waiting for new episodes' sandboxes to open (after their first generation,
     which the opening overlaps)."""
@@ -309,11 +314,12 @@ def collect(
                 harvest(block=False)
                 continue
 
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), time.thread_time()
             samples = sampler.generate(
                 [r.ids for r in live], cfg.max_new_tokens, cfg.temperature, [stop_id], _step_seed(cfg.seed, step)
             )
             stats.generate_s += time.monotonic() - t0
+            stats.generate_cpu_s += time.thread_time() - c0
             stats.steps += 1
             stats.generated_tokens += sum(len(s.token_ids) for s in samples)
             step += 1

@@ -368,6 +368,7 @@ def test_stats_measure_generation_time(tok):
     collect(tasks(1), ScriptedSampler(tok, scripts), tok, cfg(), progress=False, stats=stats,
             open_sandbox=Sandboxes(sleep=0.05), verify=fake_verify)
     assert stats.steps == 3 and stats.wall_s > stats.generate_s > 0
+    assert 0 < stats.generate_cpu_s <= stats.generate_s + 0.01  # thread CPU never exceeds its wall (clock grain)
     assert 0 < stats.outside_generation < 1
 
 
