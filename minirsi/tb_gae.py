@@ -216,20 +216,30 @@ def _chunk_prefix(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return torch.cumsum(torch.cat(sums, dim=1).to(acc), dim=1)
 
 
+def _chunk_index(ci: torch.Tensor, T: int) -> torch.Tensor:
+    """Flat positions (B, Q * C) of the ``_CHUNK`` tokens of chunk ``ci`` (B, Q) of each row;
+    positions past the row's end repeat T - 1 (callers mask or order them out)."""
+    j = torch.arange(_CHUNK, device=ci.device)
+    return (ci.unsqueeze(-1) * _CHUNK + j).clamp_(max=T - 1).view(ci.shape[0], -1)
+
+
+def _before_chunk(incl: torch.Tensor, ci: torch.Tensor) -> torch.Tensor:
+    """The sum of the chunks before chunk ``ci`` (B, Q), from the inclusive ``incl``."""
+    return incl.gather(1, (ci - 1).clamp(min=0)).masked_fill_(ci == 0, 0)
+
+
 def _prefix_at(x: torch.Tensor, incl: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """sum_{u < pos} x[b, u] of x (B, T) with its ``_chunk_prefix`` ``incl``, at int64 query
     positions ``pos`` (B, Q) in [0, T]: the sum of the chunks before the query's chunk plus a
     gather of that chunk's first ``pos mod C`` tokens. Returns (B, Q) in incl's dtype."""
     B, T = x.shape
     Q = pos.shape[1]
-    nC = incl.shape[1]
     ci = pos // _CHUNK  # (B, Q); pos == T may point one past the last chunk
     j = torch.arange(_CHUNK, device=pos.device)
     take = j < (pos - ci * _CHUNK).unsqueeze(-1)  # (B, Q, C) tokens of the chunk before pos
-    idx = (ci.clamp(max=nC - 1).unsqueeze(-1) * _CHUNK + j).clamp_(max=T - 1).view(B, Q * _CHUNK)
-    base = incl.gather(1, (ci - 1).clamp_(min=0)).masked_fill_(ci == 0, 0)  # chunks before ci
+    idx = _chunk_index(ci.clamp(max=incl.shape[1] - 1), T)
     part = (x.gather(1, idx).view(B, Q, _CHUNK) * take).sum(-1)  # (B, Q)
-    return base + part.to(incl.dtype)
+    return _before_chunk(incl, ci) + part.to(incl.dtype)
 
 
 def _nth(x: torch.Tensor, incl: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -238,14 +248,11 @@ def _nth(x: torch.Tensor, incl: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     ``_chunk_prefix(x, torch.int64)``."""
     B, T = x.shape
     Q = n.shape[1]
-    nC = incl.shape[1]
-    ci = torch.searchsorted(incl, n).clamp_(max=nC - 1)  # (B, Q) the chunk holding it
-    need = n - incl.gather(1, (ci - 1).clamp(min=0)).masked_fill_(ci == 0, 0)  # 1-based in ci
-    j = torch.arange(_CHUNK, device=n.device)
-    idx = (ci.unsqueeze(-1) * _CHUNK + j).clamp_(max=T - 1).view(B, Q * _CHUNK)
+    ci = torch.searchsorted(incl, n).clamp_(max=incl.shape[1] - 1)  # (B, Q) the chunk holding it
+    need = n - _before_chunk(incl, ci)  # 1-based inside chunk ci
     # Positions past T repeat x[T - 1]; they come after the chunk's real tokens, so the count
     # of tokens before the n-th one is unaffected.
-    local = torch.cumsum(x.gather(1, idx).view(B, Q, _CHUNK), dim=-1, dtype=torch.int64)
+    local = torch.cumsum(x.gather(1, _chunk_index(ci, T)).view(B, Q, _CHUNK), dim=-1, dtype=torch.int64)
     off = (local < need.unsqueeze(-1)).sum(-1)  # (B, Q) tokens of chunk ci before the n-th
     return (ci * _CHUNK + off).clamp_(max=T - 1)
 
@@ -283,7 +290,7 @@ def _expand_blocks(
         # Up to n_fix chunks a row (rows with fewer repeat a chunk: the duplicate writes agree).
         fix = torch.sort(straddle.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :n_fix]
         fix = torch.where(straddle.gather(1, fix), fix, fix[:, :1])
-        idx = (fix.unsqueeze(-1) * C + torch.arange(C, device=mf.device)).clamp_(max=T - 1).view(B, -1)
+        idx = _chunk_index(fix, T)
         block = (key.gather(1, idx) - offset).long()
         out.scatter_(1, idx, Q.gather(1, block) * mf.gather(1, idx))
     return out
