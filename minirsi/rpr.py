@@ -394,8 +394,9 @@ def ppo_update(
             optimizers.critic.step()
             n_steps += 1
     metrics = {k: v / max(seen, 1.0) for k, v in sums.items()}
-    norms["grad_norm_actor"] *= n_steps / max(actor_steps, 1)  # mean over the actor's own steps
-    metrics.update({k: v / max(n_steps, 1) for k, v in norms.items()})  # before clipping, mean per step
+    # Before clipping, the mean over each model's own optimizer steps.
+    metrics["grad_norm_actor"] = norms["grad_norm_actor"] / max(actor_steps, 1)
+    metrics["grad_norm_critic"] = norms["grad_norm_critic"] / max(n_steps, 1)
     metrics["actor_updates"] = float(actor_steps)
     metrics["explained_variance"] = explained_variance(batch["returns"], batch["old_values"], mask_all)
     metrics["action_tokens"] = float(mask_all.sum())

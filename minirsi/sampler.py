@@ -400,7 +400,6 @@ class HFSampler:
         finish = [FINISH_LENGTH] * B
         rows = list(order)  # buffer row -> prompt index
         alive = torch.ones(B, dtype=torch.bool, device=dev)  # (b,) buffer rows still decoding
-        next_pos = pos[:, C + N - 1] + 1  # (b,) position of the next token of each row
         end = C + N  # slots [0, end) are written
         for t in range(max_new_tokens):
             # Buffer rows that sample this step, in prompt order: the seeded draws then do not
@@ -434,11 +433,10 @@ class HFSampler:
             if int(alive.sum()) <= len(rows) // 2:  # compact: finished rows cost compute every step
                 keep = alive.nonzero().squeeze(-1)  # (b',)
                 slots.select_rows(keep)
-                pos, feed, next_pos, alive = pos[keep], feed[keep], next_pos[keep], alive[keep]
+                pos, feed, alive = pos[keep], feed[keep], alive[keep]
                 rows = [rows[r] for r in keep.tolist()]
-            pos[:, end] = next_pos
+            pos[:, end] = pos[:, end - 1] + 1  # slot end - 1 is each row's last token
             logits = self._forward(slots, slice(0, len(rows)), end, feed[:, None], pos[:, : end + 1], prefill=False)
-            next_pos = next_pos + 1
             end += 1
         return [Sample(ids[i], lps[i], finish[i]) for i in range(B)]
 
