@@ -275,13 +275,14 @@ def _expand_blocks(
     nC = T // C
     T0 = nC * C
     out = torch.empty_like(mf)
+    first_key = key[:, :T0:C].contiguous()  # (B, nC) key of each chunk's first token
     if nC:
-        kc = (key[:, :T0:C] - offset).long()  # (B, nC) block of each chunk's first token
+        kc = (first_key - offset).long()  # (B, nC) block of each chunk's first token
         torch.mul(Q.gather(1, kc).unsqueeze(-1), mf[:, :T0].view(B, nC, C),
                   out=out[:, :T0].view(B, nC, C))
     # The chunks whose last token is in another block than their first, and the tail chunk.
     last_key = torch.cat([key[:, C - 1:T0:C], key[:, -1:]], dim=1)  # (B, nC + 1)
-    first_key = torch.cat([key[:, :T0:C], key[:, T0:T0 + 1] if T0 < T else key[:, -1:]], dim=1)
+    first_key = torch.cat([first_key, key[:, T0:T0 + 1] if T0 < T else key[:, -1:]], dim=1)
     straddle = last_key != first_key  # (B, nC + 1); column nC: the tail (if any)
     if T0 < T:
         straddle[:, nC] = True
