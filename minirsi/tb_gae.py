@@ -109,6 +109,8 @@ slow by design; never use it for training.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = ["tb_gae", "tb_gae_chunked", "tb_gae_reference"]
@@ -143,11 +145,70 @@ def _first_true(mask: torch.Tensor) -> tuple[int, int]:
     return row, pos
 
 
+class _Chunks(NamedTuple):
+    """Where the block keys of the rows change, at the resolution of ``_CHUNK``-token chunks."""
+
+    top: torch.Tensor
+    """(B, nC) the largest (= last) key of each full chunk."""
+    idx: torch.Tensor
+    """(B, F * C) positions of the chunks that hold more than one key, and of the tail after
+    the last full chunk: these are filled token by token (past T: T - 1 repeated). Rows with
+    fewer than F such chunks repeat some other chunk (harmless: token by token is exact)."""
+    keys: torch.Tensor
+    """(B, F * C) the keys at ``idx``."""
+
+
+def _chunk_layout(key: torch.Tensor) -> _Chunks | None:
+    """The chunk layout of ``key`` (B, T), or None if a row decreases somewhere (or T < C).
+
+    Each full chunk gets its max and its sum (two vectorised reductions, cheaper than one
+    token-by-token comparison); a chunk whose sum is C times its max holds one key only (no key
+    exceeds the max). The other chunks and the tail are gathered and checked token by token,
+    and every chunk's first key against the max of the chunk before it. Exact for ids in
+    (-2**57, 2**56]; ``_turn_blocks`` falls back to the comparison outside that range.
+    """
+    B, T = key.shape
+    C = _CHUNK
+    nC = T // C
+    T0 = nC * C
+    if nC == 0:
+        return None
+    blocks = key[:, :T0].view(B, nC, C)
+    top = blocks.amax(-1)  # (B, nC)
+    if int(top.max()) > _ID_RANGE[1]:
+        return None  # C * top could overflow
+    rough = blocks.sum(-1) != top * C  # (B, nC) holds some key below the max
+    if T0 < T:  # the tail chunk (index nC) is always done token by token
+        rough = torch.cat([rough, rough.new_ones(B, 1)], dim=1)
+        top = torch.cat([top, key[:, -1:]], dim=1)  # its max if it is sorted (checked below)
+    F = int(rough.view(torch.uint8).sum(1, dtype=torch.int32).max())
+    if F == 0:
+        fix = top.new_zeros(B, 0)
+    else:  # descending: a row's first pick is a rough chunk whenever it has one
+        fix = torch.topk(rough.view(torch.uint8), F, dim=1).indices  # (B, F)
+    idx = _chunk_index(fix, T)  # (B, F * C)
+    keys = key.gather(1, idx)
+    part = keys.view(B, F, C)
+    if _any(part[..., 1:] < part[..., :-1]):
+        return None
+    # Across chunk edges: first key of chunk j >= max of chunk j - 1 (a single-key chunk's
+    # first key is its max).
+    first = top.scatter(1, fix, part[..., 0])
+    if _any(first[:, 1:] < top[:, :-1]):
+        return None
+    return _Chunks(top[:, :nC], idx, keys)
+
+
+_ID_RANGE = (-(1 << 57), 1 << 56)
+"""Turn ids in this range let ``_chunk_layout`` test chunks by sum without int64 overflow."""
+
+
 def _turn_blocks(
     turn_ids: torch.Tensor,  # (B, T)
     mf: torch.Tensor,  # (B, T) 0/1 action mask
-) -> tuple[torch.Tensor, int]:
-    """Per-row block keys, sorted along T, and the ``offset`` of block 0.
+) -> tuple[torch.Tensor, int, _Chunks | None]:
+    """Per-row block keys, sorted along T, the ``offset`` of block 0, and their chunk layout
+    (None when T < ``_CHUNK``).
 
     A block is a maximal run of equal keys; all action tokens of one turn lie in one block,
     action tokens of different turns in different blocks. Block k holds the tokens whose key
@@ -155,7 +216,10 @@ def _turn_blocks(
     ids skip values).
     """
     key = turn_ids
-    if _any(key[:, 1:] < key[:, :-1]):
+    lo, hi = int(key[:, 0].min()), int(key[:, -1].max())
+    in_range = _ID_RANGE[0] < lo and hi <= _ID_RANGE[1]
+    layout = _chunk_layout(key) if in_range else None
+    if layout is None and _any(key[:, 1:] < key[:, :-1]):
         # Slow path: ids off-action are arbitrary. Key = turn of the latest action so far.
         low = torch.iinfo(key.dtype).min
         m = mf.bool()
@@ -167,15 +231,17 @@ def _turn_blocks(
                 f"tb_gae: turn_ids decrease along the action positions of row {b}: position "
                 f"{t} has turn {int(turn_ids[b, t])} after an action of turn {int(key[b, t])}; "
                 "fix: number turns in order (minirsi.episode.collate does)")
-    lo = int(key[:, 0].min())
-    hi = int(key[:, -1].max())
-    if hi - lo <= 4 * key.shape[1]:
-        # Turn ids are small integers: use them as block indices (gaps are empty blocks).
-        return key.contiguous(), lo
-    # Sparse ids (e.g. 0, 10**9): dense rank of the runs instead.
-    block = torch.zeros_like(key, dtype=torch.long)
-    block[:, 1:] = torch.cumsum(key[:, 1:] != key[:, :-1], dim=1)
-    return block, 0
+        lo, hi = int(key[:, 0].min()), int(key[:, -1].max())
+        in_range = _ID_RANGE[0] < lo and hi <= _ID_RANGE[1]
+    if hi - lo > 4 * key.shape[1] or not in_range:
+        # Sparse ids (e.g. 0, 10**9): dense rank of the runs instead.
+        rank = torch.zeros_like(key, dtype=torch.long)
+        rank[:, 1:] = torch.cumsum(key[:, 1:] != key[:, :-1], dim=1)
+        key, lo, layout = rank, 0, None
+    key = key.contiguous()  # sorted; small integers: block indices (gaps are empty blocks)
+    if layout is None:
+        layout = _chunk_layout(key)
+    return key, lo, layout
 
 
 def _reverse_linear_scan(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -259,41 +325,28 @@ def _nth(x: torch.Tensor, incl: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 def _expand_blocks(
     Q: torch.Tensor,  # (B, K) one value per block
-    key: torch.Tensor,  # (B, T) sorted block keys: token t is in block key[t] - offset
-    offset: int,
+    chunks: _Chunks,  # the chunk layout of the sorted block keys
+    offset: int,  # token t is in block key[t] - offset
     mf: torch.Tensor,  # (B, T) 0/1 action mask, Q's dtype
 ) -> torch.Tensor:
     """``Q[b, key[b, t] - offset] * mf[b, t]`` (B, T) without reading every token's key.
 
     A chunk of ``_CHUNK`` tokens lies inside one block unless a block edge falls inside it (at
-    most K per row, against T / C chunks): every chunk gets its first token's block value by
-    one broadcast multiply, then the chunks that hold an edge, and the tail past the last full
-    chunk, are recomputed token by token from ``key``.
+    most K per row, against T / C chunks): every full chunk gets its block value (from its
+    max key) by one broadcast multiply, then the chunks that hold an edge, and the tail past
+    the last full chunk, are recomputed token by token.
     """
     B, T = mf.shape
     C = _CHUNK
-    nC = T // C
+    nC = chunks.top.shape[1]
     T0 = nC * C
     out = torch.empty_like(mf)
-    first_key = key[:, :T0:C].contiguous()  # (B, nC) key of each chunk's first token
     if nC:
-        kc = (first_key - offset).long()  # (B, nC) block of each chunk's first token
-        torch.mul(Q.gather(1, kc).unsqueeze(-1), mf[:, :T0].view(B, nC, C),
-                  out=out[:, :T0].view(B, nC, C))
-    # The chunks whose last token is in another block than their first, and the tail chunk.
-    last_key = torch.cat([key[:, C - 1:T0:C], key[:, -1:]], dim=1)  # (B, nC + 1)
-    first_key = torch.cat([first_key, key[:, T0:T0 + 1] if T0 < T else key[:, -1:]], dim=1)
-    straddle = last_key != first_key  # (B, nC + 1); column nC: the tail (if any)
-    if T0 < T:
-        straddle[:, nC] = True
-    n_fix = int(straddle.sum(1).max())
-    if n_fix:
-        # Up to n_fix chunks a row (rows with fewer repeat a chunk: the duplicate writes agree).
-        fix = torch.sort(straddle.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :n_fix]
-        fix = torch.where(straddle.gather(1, fix), fix, fix[:, :1])
-        idx = _chunk_index(fix, T)
-        block = (key.gather(1, idx) - offset).long()
-        out.scatter_(1, idx, Q.gather(1, block) * mf.gather(1, idx))
+        value = Q.gather(1, (chunks.top - offset).long())  # (B, nC)
+        torch.mul(value.unsqueeze(-1), mf[:, :T0].view(B, nC, C), out=out[:, :T0].view(B, nC, C))
+    if chunks.idx.shape[1]:
+        idx = chunks.idx
+        out.scatter_(1, idx, Q.gather(1, (chunks.keys - offset).long()) * mf.gather(1, idx))
     return out
 
 
@@ -324,7 +377,7 @@ def tb_gae(
     mf = _action_float(action_mask, dtype)  # (B, T) 0/1: any nonzero entry marks an action
     r = rewards.to(dtype)  # (B, T)
 
-    key, offset = _turn_blocks(turn_ids, mf)  # (B, T) sorted; block of a token: key - offset
+    key, offset, chunks = _turn_blocks(turn_ids, mf)  # (B, T) sorted; block: key - offset
     K = int(key[:, -1].max()) - offset + 1
     # Block k is the token range [bounds_k, bounds_{k+1}): one search for keys k .. K.
     j = torch.arange(offset, offset + K + 1, device=key.device, dtype=key.dtype)
@@ -349,8 +402,12 @@ def tb_gae(
     # reward and every action of turn k has the same return R_t = Rtot_k + X_k. Otherwise a
     # full prefix sum F gives Rtot_k and R_t = (F_end_k + X_k) - F_excl_t.
     r_last = torch.where(has_action, r.gather(1, last), 0.0)  # (B, K)
-    n_rewards = r.bool().view(torch.uint8).sum(1, dtype=torch.int32)  # (B,) nonzero rewards
-    rewards_on_last = torch.equal((r_last != 0).sum(1, dtype=torch.int32), n_rewards)
+    # Nonzero rewards left after clearing every turn's last action? (An empty turn's ``last``
+    # is the last action of an earlier turn, also cleared; with no action before it, some
+    # position that keeps its flag. Only a left flag can go wrong: then the exact path runs.)
+    elsewhere = r.bool()  # (B, T)
+    elsewhere.scatter_(1, last, elsewhere.gather(1, last) & (acts_before[:, 1:] == 0))
+    rewards_on_last = not _any(elsewhere)
     if rewards_on_last:
         R_tot = r_last.double()  # (B, K)
     else:
@@ -373,8 +430,8 @@ def tb_gae(
     X[:, :-1] = Z[:, 1:]  # X_k = Z_{k+1}
 
     # Equation (1) on action tokens (0 elsewhere).
-    if rewards_on_last and chunked:
-        returns = _expand_blocks((R_tot + X).to(dtype), key, offset, mf)  # (B, T)
+    if rewards_on_last and chunks is not None:
+        returns = _expand_blocks((R_tot + X).to(dtype), chunks, offset, mf)  # (B, T)
     else:
         block = (key - offset if offset else key).long()  # (B, T) block of every token
         if rewards_on_last:

@@ -158,6 +158,69 @@ def test_chunked_and_full_cumsum_paths_agree_on_long_rows(layout):
     torch.testing.assert_close(A_pre, A_ref, atol=1e-9, rtol=0)
 
 
+@SETTINGS
+@given(st.data())
+def test_chunk_layout_says_sorted_exactly_when_rows_do_not_decrease(data):
+    # _chunk_layout tests order by each chunk's max and sum, then token by token only inside
+    # the chunks holding several ids and across chunk edges: a single decrease anywhere
+    # (inside a chunk of equal ids, at a chunk edge, in the tail) must be caught.
+    chunk = data.draw(st.sampled_from([1, 2, 3, 4, 8]))
+    B, T = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 40))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    steps = (torch.rand(B, T, generator=gen) < data.draw(st.sampled_from([0.05, 0.3, 1.0])))
+    key = torch.cumsum(steps.long(), dim=1) + data.draw(st.integers(-5, 5))
+    if data.draw(st.booleans()):  # one decrease by d at a random position
+        b, t = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, T - 1))
+        key[b, t] -= data.draw(st.integers(1, 3))
+    with mock.patch.object(tb_gae_module, "_CHUNK", chunk):
+        layout = tb_gae_module._chunk_layout(key)
+    ordered = bool((key[:, 1:] >= key[:, :-1]).all())
+    if T < chunk:
+        assert layout is None
+        return
+    assert (layout is not None) == ordered
+    if layout is not None:
+        nC = T // chunk
+        blocks = key[:, :nC * chunk].view(B, nC, chunk)
+        assert torch.equal(layout.top, blocks.amax(-1))
+        assert torch.equal(layout.keys, key.gather(1, layout.idx))
+        # Every chunk left out of idx holds a single id (the broadcast writes it whole).
+        listed = torch.zeros(B, T, dtype=torch.bool).scatter_(1, layout.idx, True)
+        for b in range(B):
+            for c in range(nC):
+                if not listed[b, c * chunk]:
+                    assert (blocks[b, c] == blocks[b, c, 0]).all()
+
+
+def test_collate_layout_takes_the_broadcast_path():
+    # Rows with different numbers of turns (the shorter rows end in empty blocks) and the
+    # reward on each row's last action: every reward sits on a turn's last action, so tb_gae
+    # must write returns by the chunk broadcast (_expand_blocks), not the prefix-sum fallback.
+    gen = torch.Generator().manual_seed(3)
+    B, T = 3, 4_096
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    turn_ids = torch.zeros(B, T, dtype=torch.long)
+    rewards = torch.zeros(B, T)
+    for b, turns in enumerate([5, 9, 14]):
+        t = 100
+        for k in range(turns):
+            n_act, n_obs = (int(x) for x in torch.randint(10, 120, (2,), generator=gen))
+            mask[b, t:t + n_act] = True
+            turn_ids[b, t:t + n_act] = k
+            t += n_act
+            turn_ids[b, t:] = k + 1 if k + 1 < turns else k  # observation opens the next turn
+            t += n_obs
+        rewards[b, mask[b].nonzero()[-1]] = 1.0 + b
+    values = torch.randn(B, T, generator=gen)
+    with mock.patch.object(tb_gae_module, "_expand_blocks", wraps=tb_gae_module._expand_blocks) as spy:
+        A, R = tb_gae(rewards, values, mask, turn_ids, 0.99, 0.95)
+    assert spy.call_count == 1
+    with mock.patch.object(tb_gae_module, "_CHUNK", 10**9):  # the gather path
+        A_full, R_full = tb_gae(rewards, values, mask, turn_ids, 0.99, 0.95)
+    torch.testing.assert_close(A, A_full, atol=1e-6, rtol=0)
+    torch.testing.assert_close(R, R_full, atol=1e-6, rtol=0)
+
+
 def test_long_float32_sequence_keeps_precision():
     # 20,000 tokens, rewards on every action token, values of size 100: a global float32
     # cumsum of the deltas would lose ~1e-2 here; the telescoped form stays near eps32.
