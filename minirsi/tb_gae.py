@@ -46,16 +46,21 @@ Everything is computed under ``torch.no_grad``: the outputs are targets.
 
 What touches every token (the rest is O(K) per row for K turns):
 
-- one pass each for the 0/1 action mask, the count of nonzero rewards, and the check that
-  turn ids do not decrease (``searchsorted`` then finds where each turn starts and ends);
+- one pass each for the 0/1 action mask and the nonzero rewards, and two vectorised
+  reductions over chunks of 64 turn ids (max and sum: a chunk whose sum is 64 times its max
+  holds one id) that check that the ids do not decrease: only the few chunks holding a turn
+  edge are compared token by token (``_chunk_layout``; exact for ids above -2**57, the ends
+  of every row are checked against that bound, ids inside it are not). ``searchsorted`` then
+  finds where each turn starts and ends;
 - sums of the action mask over chunks of 64 tokens: a vectorised reduction, several times
   cheaper than a ``cumsum`` (a serial scan). The number of actions before a turn edge is the
   sum of the chunks before it plus a 64-token gather (``_prefix_at``); the first and last
   action of every turn are found the same way (``_nth``);
 - when every nonzero reward sits on the last action token of its turn (``collate``'s layout;
-  checked by counting, which also proves that no reward sits off-action), Rtot_k is that one
+  checked by clearing those tokens' flags and finding no nonzero reward left, which also
+  proves that none sits off-action), Rtot_k is that one
   reward and all actions of turn k share R_t = Rtot_k + X_k: one broadcast multiply writes it
-  over whole chunks, and only the chunks that straddle a turn edge are filled token by token
+  over whole chunks, and only the chunks that hold a turn edge are filled token by token
   (``_expand_blocks``); then one ``addcmul`` gives A_t = R_t - V_t. Otherwise (rewards inside
   a turn) a float64 prefix sum F gives Rtot_k and R_t = (F_end_k + X_k) - F_excl_t;
 - with more turns than chunks (every token its own turn, K ~ T) the chunk tricks do not pay
@@ -165,7 +170,9 @@ def _chunk_layout(key: torch.Tensor) -> _Chunks | None:
     token-by-token comparison); a chunk whose sum is C times its max holds one key only (no key
     exceeds the max). The other chunks and the tail are gathered and checked token by token,
     and every chunk's first key against the max of the chunk before it. Exact for ids in
-    (-2**57, 2**56]; ``_turn_blocks`` falls back to the comparison outside that range.
+    (-2**57, 2**56], where 64 of them cannot overflow int64: maxima above the range return
+    None (the caller then compares neighbours), and ``_turn_blocks`` checks the ends of each
+    row against the lower bound; an id below it inside a row is not seen.
     """
     B, T = key.shape
     C = _CHUNK
