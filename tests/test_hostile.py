@@ -143,7 +143,9 @@ def test_fork_bomb_is_contained(base):
     # The bomb runs in the background (`:|:&`): the shell itself comes back, the pids limit
     # holds the bomb, and the verifier's fresh jail still runs every test.
     results, vr = episode([(":(){ :|:& };:", 3), ("echo alive", 10)], pids=128)
-    assert results[1].output.endswith("alive\n")  # a builtin: no fork needed; bomb noise may precede it
+    # A builtin: no fork needed. The bomb's processes live on in the background until the
+    # episode ends, so their "fork: retry" noise may come before or after the line.
+    assert "alive" in results[1].output.splitlines()
     assert time.monotonic() - t0 < 60
     assert_scores_zero(vr)
     assert len(vr.checks) == 3, vr.output_tail

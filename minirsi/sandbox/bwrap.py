@@ -31,6 +31,7 @@ Call through ``minirsi.sandbox.open_sandbox(task, backend="bwrap", **limits)``.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import random
@@ -113,19 +114,48 @@ def remove_stale(base: Path) -> int:
     return removed
 
 
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...), or None if the
+    process is gone. Raw ``os`` calls: this runs hundreds of times a scan, and a Python file
+    object costs several times the three system calls."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 1024)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data.rpartition(b")")[2].split()
+
+
 def _children() -> dict[int, list[int]]:
     """ppid -> child pids, from /proc."""
     out: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        out.setdefault(ppid, []).append(int(entry.name))
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _stat_fields(name)
+            if fields and len(fields) > 1:
+                out.setdefault(int(fields[1]), []).append(int(name))
     return out
+
+
+def _children_of(ppid: int) -> list[int]:
+    """Children of ``ppid``, reading the processes started after it first (a child's pid is
+    larger than its parent's unless pids wrapped around; then the rest are read too)."""
+    pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    found: list[int] = []
+    for newer in (True, False):
+        for pid in pids:
+            if (pid > ppid) == newer:
+                fields = _stat_fields(pid)
+                if fields and len(fields) > 1 and int(fields[1]) == ppid:
+                    found.append(pid)
+        if found:
+            break
+    return found
 
 
 def _descendants(pid: int) -> set[int]:
@@ -141,24 +171,29 @@ def _descendants(pid: int) -> set[int]:
 def _pids_of_uid(uid: int) -> list[int]:
     """Live (not zombie) processes whose owner is `uid`."""
     pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if name.isdigit():
             try:
-                if os.stat(f"/proc/{entry.name}").st_uid != uid:
+                if os.stat(f"/proc/{name}").st_uid != uid:
                     continue
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
-                        pids.append(int(entry.name))
-            except (OSError, IndexError):
+            except OSError:
                 continue
+            fields = _stat_fields(name)
+            if fields and fields[0] != b"Z":
+                pids.append(int(name))
     return pids
 
 
-def _end_jail(proc: subprocess.Popen) -> int:
+def _end_jail(proc: subprocess.Popen, init: int | None = None) -> int:
     """Kill the jail's pid-namespace init (the kernel then kills everything in the namespace)
     and reap bwrap. Killing bwrap itself first would orphan the init as a zombie of host pid 1.
+    ``init``: its host pid when known (bwrap's --info-fd), else found among bwrap's children.
     """
-    _kill_all(_children().get(proc.pid, []))
+    if init is not None:
+        fields = _stat_fields(init)  # still bwrap's child? (else its pid may be reused)
+        _kill_all([init] if fields and len(fields) > 1 and int(fields[1]) == proc.pid else [])
+    else:
+        _kill_all(_children_of(proc.pid))
     try:
         return proc.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
@@ -198,6 +233,8 @@ class BwrapSandbox(ShellSandbox):
         self._lease = _UidLease(self._base) if self._as_root else None
         self.host_uid = self._lease.uid if self._lease else os.geteuid()
         self._protected: set[int] = set()
+        self._init: int | None = None  # host pid of the shell jail's init
+        self._info_fd: int | None = None  # read end of bwrap's --info-fd, until the shell is ready
         self._runs = 0
         try:
             if self._as_root:
@@ -237,13 +274,15 @@ class BwrapSandbox(ShellSandbox):
                 os.chown(os.path.join(dirpath, name), self.host_uid, self.host_uid, follow_symlinks=False)
 
     # --- building the command line ------------------------------------------------------------
-    def _argv(self, binds: list[str], env: dict[str, str], command: list[str]) -> list[str]:
+    def _argv(self, binds: list[str], env: dict[str, str], command: list[str], info_fd: int | None = None) -> list[str]:
         src = str(self._base / ".rootfs-mnt") if self._as_root else str(self.rootfs)
         workdir = self.task.workdir
         top = workdir.split("/")[1]
         args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", str(SANDBOX_UID),
                 "--gid", str(SANDBOX_UID), "--hostname", "sandbox", "--clearenv"]
+        if info_fd is not None:  # bwrap writes {"child-pid": <host pid of the namespace's init>}
+            args += ["--info-fd", str(info_fd)]
         base_env = {"PATH": PATH, "HOME": "/tmp", "USER": "agent", "LOGNAME": "agent", "LANG": "C.UTF-8",
                     "TERM": "dumb", "SHELL": "/bin/bash"}
         for k, v in {**base_env, **env}.items():
@@ -287,9 +326,17 @@ class BwrapSandbox(ShellSandbox):
     # --- the shell transport -------------------------------------------------------------------
     def _spawn(self, start_dir: str, ready: str) -> None:
         env = {"MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
-        argv = self._argv([], env, ["/bin/bash", "--noprofile", "--norc", "-c", DRIVER, "bash", ready])
-        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      close_fds=True, start_new_session=True)
+        info_r, info_w = os.pipe()
+        try:
+            argv = self._argv([], env, ["/bin/bash", "--noprofile", "--norc", "-c", DRIVER, "bash", ready], info_fd=info_w)
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          close_fds=True, pass_fds=(info_w,), start_new_session=True)
+        except BaseException:
+            os.close(info_r)
+            raise
+        finally:
+            os.close(info_w)
+        self._info_fd = info_r
         os.set_blocking(self._proc.stdout.fileno(), False)
 
     def _start_shell(self) -> None:
@@ -303,11 +350,34 @@ class BwrapSandbox(ShellSandbox):
             raise
 
     def _on_ready(self) -> None:
+        # The namespace's init from bwrap's info (no /proc scan: with many sandboxes opening
+        # at once, full scans cost milliseconds of the interpreter each); the driver is init's
+        # only child so far.
         outer = self._proc.pid
-        tree = _children()
-        init = tree.get(outer, [])
-        driver = [c for pid in init for c in tree.get(pid, [])]
+        self._init = self._read_info()
+        init = [self._init] if self._init is not None else _children_of(outer)
+        driver = [c for pid in init for c in _children_of(pid)]
         self._protected = {outer, *init, *driver}
+
+    def _read_info(self) -> int | None:
+        """The host pid of the jail's init from the --info-fd JSON (None if it did not come)."""
+        fd, self._info_fd = self._info_fd, None
+        if fd is None:
+            return None
+        data, deadline = b"", time.monotonic() + 2.0
+        try:
+            while b"}" not in data and select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            os.close(fd)
+        try:
+            return int(json.loads(data[: data.index(b"}") + 1])["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            logger.warning("bwrap --info-fd gave %r; finding the jail's init in /proc instead", data[:200])
+            return None
 
     def _write(self, data: bytes) -> None:
         if self._proc is None or self._proc.stdin is None:
@@ -344,8 +414,12 @@ class BwrapSandbox(ShellSandbox):
 
     def _kill_jail(self) -> None:
         proc, self._proc = self._proc, None
+        if self._info_fd is not None:  # the shell never became ready
+            os.close(self._info_fd)
+            self._info_fd = None
         if proc is not None:
-            _end_jail(proc)
+            _end_jail(proc, self._init)
+            self._init = None
             for stream in (proc.stdin, proc.stdout):
                 try:
                     stream.close()
