@@ -334,8 +334,9 @@ def _expand_blocks(
     chunks: _Chunks,  # the chunk layout of the sorted block keys
     offset: int,  # token t is in block key[t] - offset
     mf: torch.Tensor,  # (B, T) 0/1 action mask, Q's dtype
+    out: torch.Tensor,  # (B, T) written
 ) -> torch.Tensor:
-    """``Q[b, key[b, t] - offset] * mf[b, t]`` (B, T) without reading every token's key.
+    """``out`` = ``Q[b, key[b, t] - offset] * mf[b, t]`` (B, T) without reading every token's key.
 
     A chunk of ``_CHUNK`` tokens lies inside one block unless a block edge falls inside it (at
     most K per row, against T / C chunks): every full chunk gets its block value (from its
@@ -346,7 +347,6 @@ def _expand_blocks(
     C = _CHUNK
     nC = chunks.top.shape[1]
     T0 = nC * C
-    out = torch.empty_like(mf)
     if nC:
         value = Q.gather(1, (chunks.top - offset).long())  # (B, nC)
         torch.mul(value.unsqueeze(-1), mf[:, :T0].view(B, nC, C), out=out[:, :T0].view(B, nC, C))
@@ -356,12 +356,11 @@ def _expand_blocks(
     return out
 
 
-def _action_float(action_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, T) 1 where ``action_mask`` is nonzero, else 0, in ``dtype``: one pass."""
+def _action_float(action_mask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (B, T) = 1 where ``action_mask`` is nonzero, else 0: one pass."""
     if action_mask.dtype == torch.bool:
-        return action_mask.view(torch.uint8).to(dtype)  # the uint8 route is the fast cast
-    return torch.ne(action_mask, 0, out=torch.empty(action_mask.shape, dtype=dtype,
-                                                    device=action_mask.device))
+        return out.copy_(action_mask.view(torch.uint8))  # the uint8 route is the fast cast
+    return torch.ne(action_mask, 0, out=out)
 
 
 @torch.no_grad()
@@ -373,14 +372,20 @@ def tb_gae(
     gamma_turn: float,
     lam_turn: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """TB-GAE advantages and returns, both (B, T) in values' dtype; see the module docstring."""
+    """TB-GAE advantages and returns, both (B, T) in values' dtype; see the module docstring.
+
+    The two are contiguous halves of one (2, B, T) allocation: keeping either keeps both."""
     _check_inputs(rewards, values, action_mask, turn_ids, gamma_turn, lam_turn)
     g, l = float(gamma_turn), float(lam_turn)
     dtype = values.dtype
     B, T = values.shape
     if B == 0 or T == 0:
         return torch.zeros_like(values), torch.zeros_like(values)
-    mf = _action_float(action_mask, dtype)  # (B, T) 0/1: any nonzero entry marks an action
+    # Both outputs in one allocation: (advantages, returns). Large blocks freed together stay
+    # in the C allocator's heap; two separate ones were often handed back to the OS and
+    # faulted in again on the next call (~1.4 us a 4 KiB page on the machine we measured).
+    buf = torch.empty((2, B, T), dtype=dtype, device=values.device)
+    mf = _action_float(action_mask, buf[0])  # (B, T) 0/1: any nonzero entry marks an action
     r = rewards.to(dtype)  # (B, T)
 
     key, offset, chunks = _turn_blocks(turn_ids, mf)  # (B, T) sorted; block: key - offset
@@ -436,14 +441,15 @@ def tb_gae(
     X[:, :-1] = Z[:, 1:]  # X_k = Z_{k+1}
 
     # Equation (1) on action tokens (0 elsewhere).
+    returns = buf[1]
     if rewards_on_last and chunks is not None:
-        returns = _expand_blocks((R_tot + X).to(dtype), chunks, offset, mf)  # (B, T)
+        _expand_blocks((R_tot + X).to(dtype), chunks, offset, mf, out=returns)  # (B, T)
     else:
         block = (key - offset if offset else key).long()  # (B, T) block of every token
         if rewards_on_last:
-            returns = (R_tot + X).to(dtype).gather(1, block).mul_(mf)
+            torch.gather((R_tot + X).to(dtype), 1, block, out=returns).mul_(mf)
         else:  # F_excl_t = F_t - r_t; in float64, then cast
-            returns = (F_before[:, 1:] + X).gather(1, block).sub_(F).add_(r).to(dtype).mul_(mf)
+            returns.copy_((F_before[:, 1:] + X).gather(1, block).sub_(F).add_(r)).mul_(mf)
     # A_t = R_t - V_t, 0 off-action; written over the mask (one fresh (B, T) buffer less).
     advantages = torch.addcmul(returns, values, mf, value=-1.0, out=mf)
     return advantages, returns
