@@ -212,23 +212,53 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.
 
 
 def minibatches(
-    n: int, minibatch_size: int, grad_accum: int, generator: torch.Generator
+    n: int, minibatch_size: int, grad_accum: int, generator: torch.Generator,
+    lengths: torch.Tensor | None = None,
 ) -> Iterator[list[torch.Tensor]]:
     """Shuffle range(n) into minibatches of ``minibatch_size`` (the last may be smaller),
-    each split into up to ``grad_accum`` micro-batches of index tensors."""
+    each split into up to ``grad_accum`` micro-batches of index tensors.
+
+    With ``lengths`` (n,), the shuffled indices are sorted by length (ties stay shuffled),
+    cut into minibatches of similar length, and the minibatches come in a random order:
+    a minibatch padded to its longest sequence then wastes little compute on padding
+    (random minibatches of the toy episodes, 79-501 tokens, were ~half padding)."""
     perm = torch.randperm(n, generator=generator)
-    for start in range(0, n, minibatch_size):
+    if lengths is not None:
+        perm = perm[torch.argsort(lengths[perm], descending=True, stable=True)]
+    starts = list(range(0, n, minibatch_size))
+    if lengths is not None:
+        starts = [starts[i] for i in torch.randperm(len(starts), generator=generator).tolist()]
+    for start in starts:
         mb = perm[start:start + minibatch_size]
         yield [c for c in torch.chunk(mb, min(grad_accum, len(mb)))]
 
 
+def trimmed(batch: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows ``idx`` of a right-padded (B, T) batch, cut after their longest sequence (the
+    columns past it are padding in every selected row; causal attention never lets a real
+    token see them, so the result is the same as on the full width)."""
+    mask = batch["attention_mask"]
+    T = mask.shape[1]
+    width = int(mask[idx].sum(1).max()) if len(idx) else 0
+    return {k: v[idx, :width] if v.dim() == 2 and v.shape[1] == T else v[idx] for k, v in batch.items()}
+
+
+def by_length(lengths: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
+    """Index tensors of up to ``chunk`` rows each, longest first (for no-grad passes)."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    yield from torch.split(order, chunk)
+
+
 def compute_values(critic: ValueModel, batch: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
-    """V (B, T) without grad, ``chunk`` sequences at a time (bounds memory)."""
-    out = []
+    """V (B, T) without grad, ``chunk`` sequences of similar length at a time (bounds memory;
+    each pass runs on its rows' longest length; 0 past a row's width)."""
+    mask = batch["attention_mask"]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     with torch.no_grad():
-        for s in range(0, batch["input_ids"].shape[0], chunk):
-            out.append(critic(batch["input_ids"][s:s + chunk], batch["attention_mask"][s:s + chunk]))
-    return torch.cat(out)
+        for idx in by_length(mask.sum(1), chunk):
+            sub = trimmed({"input_ids": batch["input_ids"], "attention_mask": mask}, idx)
+            out[idx, : sub["input_ids"].shape[1]] = critic(sub["input_ids"], sub["attention_mask"])  # float32
+    return out
 
 
 def warmup_critic(

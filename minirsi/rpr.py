@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from minirsi.critic import ValueModel, compute_values, explained_variance, minibatches, value_loss
+from minirsi.critic import ValueModel, by_length, compute_values, explained_variance, minibatches, trimmed, value_loss
 from minirsi.episode import Episode, collate
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,12 @@ class RPRConfig:
     temperature: float = 1.0
     """Sampling temperature; training log-probs use logits / temperature to match it."""
     forward_chunk: int = 8
-    """Sequences per no-grad forward pass (old log-probs, values, reference)."""
+    """Sequences per no-grad forward pass (old log-probs, values, reference); the passes take
+    the sequences longest first, each cut to its rows' longest length."""
+    group_by_length: bool = True
+    """Minibatches of episodes of similar length (in a random order), each cut to its longest
+    episode: on the toy recipe the PPO update ran on ~2x fewer tokens than with random
+    minibatches padded to the batch's longest episode. False: uniformly random minibatches."""
     seed: int = 0
     """Seeds task order, minibatch shuffles and rollouts."""
 
@@ -263,12 +268,14 @@ def policy_forward(
 
 def _nograd_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], cfg: RPRConfig,
                      ctx: Callable[[], Any] = nullcontext) -> torch.Tensor:
-    out = []
+    mask = batch["attention_mask"]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # (B, T)
     with torch.no_grad(), ctx():
-        for s in range(0, batch["input_ids"].shape[0], cfg.forward_chunk):
-            sl = slice(s, s + cfg.forward_chunk)
-            out.append(policy_forward(model, batch["input_ids"][sl], batch["attention_mask"][sl], cfg.temperature)[0])
-    return torch.cat(out)
+        for idx in by_length(mask.sum(1), cfg.forward_chunk):
+            sub = trimmed({"input_ids": batch["input_ids"], "attention_mask": mask}, idx)
+            lp = policy_forward(model, sub["input_ids"], sub["attention_mask"], cfg.temperature)[0]
+            out[idx, : lp.shape[1]] = lp
+    return out
 
 
 def _reference(actor: nn.Module, ref_model: nn.Module | None) -> tuple[nn.Module, Callable[[], Any]]:
@@ -349,13 +356,14 @@ def ppo_update(
     actor.train()
     critic.train()
     for _ in range(cfg.ppo_epochs):
-        for micro in minibatches(mask_all.shape[0], cfg.minibatch_size, cfg.grad_accum, gen):
+        lengths = batch["attention_mask"].sum(1) if cfg.group_by_length else None
+        for micro in minibatches(mask_all.shape[0], cfg.minibatch_size, cfg.grad_accum, gen, lengths):
             n_tok = sum(mask_all[idx].sum() for idx in micro).clamp(min=1)  # N of this minibatch
             optimizers.actor.zero_grad(set_to_none=True)
             optimizers.critic.zero_grad(set_to_none=True)
             mb_kl, mb_w = 0.0, 0.0
             for idx in micro:
-                mb = {k: v[idx] for k, v in batch.items()}
+                mb = trimmed(batch, idx)  # cut after the micro-batch's longest sequence
                 m = mb["action_mask"]
                 with (nullcontext() if not stopped else torch.no_grad()):
                     logprobs, entropy = policy_forward(actor, mb["input_ids"], mb["attention_mask"],

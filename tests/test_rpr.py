@@ -279,6 +279,43 @@ def test_padding_tokens_never_reach_the_losses():
         assert res[0][k] == pytest.approx(res[1][k], abs=1e-6), k
 
 
+def test_length_trimmed_forward_passes_equal_the_full_width_pass():
+    """Old log-probs and values are computed longest sequences first, each pass cut to its
+    rows' longest length: the same numbers as one pass over the full padded width."""
+    from minirsi.critic import compute_values
+    from minirsi.rpr import _nograd_logprobs
+
+    batch = synthetic_batch(n=7, seed=5)
+    lengths = batch["attention_mask"].sum(1)
+    assert len(set(lengths.tolist())) > 2  # rows of several widths
+    actor = tiny_qwen()
+    critic = build_critic(actor, head_init_std=0.02)
+    real = batch["attention_mask"].bool()
+    full_lp = policy_forward(actor, batch["input_ids"], batch["attention_mask"], 0.9)[0]
+    ours_lp = _nograd_logprobs(actor, batch, _cfg(forward_chunk=3, temperature=0.9))
+    torch.testing.assert_close(ours_lp[real], full_lp.detach()[real], atol=1e-5, rtol=0)
+    full_v = critic(batch["input_ids"], batch["attention_mask"]).detach()
+    ours_v = compute_values(critic, batch, chunk=3)
+    torch.testing.assert_close(ours_v[real], full_v[real], atol=1e-5, rtol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 8), st.integers(0, 10**6))
+def test_length_grouped_minibatches_cover_each_episode_once_in_length_bands(lengths, size, seed):
+    from minirsi.critic import minibatches
+
+    L = torch.tensor(lengths)
+    gen = torch.Generator().manual_seed(seed)
+    groups = [torch.cat(micro) for micro in minibatches(len(lengths), size, 1, gen, L)]
+    seen = torch.cat(groups).tolist()
+    assert sorted(seen) == list(range(len(lengths)))
+    assert all(len(g) <= size for g in groups)
+    # Bands: sorted by their longest member, no group holds a length inside another's range.
+    bands = sorted(((int(L[g].min()), int(L[g].max())) for g in groups), key=lambda b: -b[1])
+    for (lo, _), (_, hi_next) in zip(bands, bands[1:]):
+        assert lo >= hi_next
+
+
 def test_kl_to_reference_is_zero_at_start_and_grows():
     actor = tiny_qwen()
     ref = copy.deepcopy(actor).requires_grad_(False)
