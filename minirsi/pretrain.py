@@ -242,11 +242,26 @@ def pretrain(
     """Build tokenizer and model, train on the corpus, save to ``out_dir``; returns the metrics.
 
     ``sessions`` / ``val`` replace the toy corpus (tests pass hand-written sessions).
+    ``cfg.threads`` applies to this call only (the caller's setting is restored).
     """
-    t_start = time.perf_counter()
-    out = Path(out_dir)
+    before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _pretrain(cfg, out_dir, sessions, val, progress_bar)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _pretrain(
+    cfg: PretrainConfig,
+    out_dir: str | Path,
+    sessions: Sequence[Any] | None,
+    val: Sequence[Any] | None,
+    progress_bar: bool,
+) -> dict:
+    t_start = time.perf_counter()
+    out = Path(out_dir)
     if sessions is None:
         sessions = corpus_sessions(cfg.sessions, cfg.seed, cfg.noise)
     if val is None:

@@ -87,9 +87,17 @@ def test_batches_cover_every_index_once():
 
 
 def test_pretrain_lowers_loss_and_saves_loadable_model(tmp_path):
+    # threads=2 holds for the pretraining only: the recipe's later stages keep their setting.
     cfg = PretrainConfig(sessions=60, val_sessions=8, minutes=5, max_steps=40, batch_size=8,
-                         vocab_size=400, warmup_steps=5, log_every=5, lr=3e-3)
-    m = pretrain(cfg, tmp_path / "base", sessions=hand_sessions(60, 0), val=hand_sessions(8, 1), progress_bar=False)
+                         vocab_size=400, warmup_steps=5, log_every=5, lr=3e-3, threads=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = pretrain(cfg, tmp_path / "base", sessions=hand_sessions(60, 0), val=hand_sessions(8, 1),
+                     progress_bar=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
     assert m["steps"] == 40
     first, last = m["curve"][0]["loss"], m["curve"][-1]["loss"]
     assert last < 0.6 * first, (first, last)
