@@ -25,6 +25,9 @@ ignores the rest (sandboxes are always offline). minirsi adds:
   Dockerfile opens there only if it sets ``runs_on_base = true`` (it promises that the base
   rootfs plus ``environment/`` files and ``setup`` reproduce the image); otherwise opening it
   raises ``SandboxError`` telling to use ``--backend docker``.
+- ``[environment.env]`` (default none): variables set in the agent's shell and the setup
+  script, NAME = "value" (the toy git tasks fix the commit clock with them, so that commit
+  hashes, which the agent reads, repeat between runs).
 
 The older Terminal-Bench 1 layout (``task.yaml`` with ``instruction``, ``difficulty``,
 ``category``, ``tags``, ``max_agent_timeout_sec``, ``max_test_timeout_sec``; ``solution.sh``;
@@ -90,6 +93,8 @@ class Task:
     """The raw `[environment]` table."""
     verifier_env: dict[str, str] = field(default_factory=dict)
     """`[verifier] env`: extra variables for tests/test.sh."""
+    agent_env: dict[str, str] = field(default_factory=dict)
+    """`[environment.env]`: extra variables for the agent's shell and the setup script."""
     layout: str = "harbor"
     """harbor (Terminal-Bench 2) | tb1 (Terminal-Bench 1)."""
 
@@ -217,6 +222,14 @@ def _load_harbor(path: Path) -> Task:
     verifier_env = config.get("verifier", {}).get("env", {})
     if not isinstance(verifier_env, dict):
         raise TaskError(source, "verifier.env", "must be a table of strings", 'write env = { NAME = "value" }')
+    agent_env = env.get("env", {}) if isinstance(env, dict) else {}
+    if not isinstance(agent_env, dict) or any(isinstance(v, (dict, list)) for v in agent_env.values()):
+        raise TaskError(source, "environment.env", "must be a table of strings",
+                        'write [environment.env] with NAME = "value" lines')
+    bad = [k for k in agent_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k))]
+    if bad:
+        raise TaskError(source, "environment.env", f"{bad[0]!r} is not a variable name",
+                        "use letters, digits and _ (not starting with a digit)")
     return Task(
         **common,
         agent_timeout_sec=_positive(source, "agent.timeout_sec", config.get("agent", {}).get("timeout_sec"), DEFAULT_AGENT_TIMEOUT_SEC),
@@ -224,6 +237,7 @@ def _load_harbor(path: Path) -> Task:
         workdir=_check_environment(path, source, env),
         environment=dict(env),
         verifier_env={str(k): str(v) for k, v in verifier_env.items()},
+        agent_env={str(k): str(v) for k, v in agent_env.items()},
         layout="harbor",
     )
 

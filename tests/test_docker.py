@@ -100,6 +100,18 @@ def test_dockerfile_is_built_and_used():
     assert time.monotonic() - t0 < 180
 
 
+def test_task_env_reaches_the_shell_and_the_setup(tmp_path):
+    import shutil
+
+    shutil.copytree(FIXTURES / "good" / "with_setup", tmp_path / "t")
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text(toml.read_text() + '\n[environment.env]\nTOY_CLOCK = "2026-01-01"\n')
+    setup = next((tmp_path / "t" / "environment").glob("*.sh"))
+    setup.write_text(setup.read_text() + '\necho "$TOY_CLOCK" > clock.txt\n')
+    with open_sandbox(load_task(tmp_path / "t"), backend="docker") as s:
+        assert s.run('echo "$TOY_CLOCK"; cat clock.txt', timeout=10).output == "2026-01-01\n2026-01-01\n"
+
+
 def test_fork_bomb_contained():
     with open_sandbox(HELLO, backend="docker", pids=64) as s:
         s.run(":(){ :|:& };:", timeout=3)

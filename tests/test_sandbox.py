@@ -133,6 +133,19 @@ def test_setup_script_of_a_task_under_a_private_directory(tmp_path):
         assert s.run("cat data.csv", timeout=10).output == "ann,3\nbob,4\ncid,5\n"
 
 
+def test_task_env_reaches_the_shell_and_the_setup(tmp_path):
+    import shutil
+
+    os.chmod(tmp_path, 0o755)
+    shutil.copytree(FIXTURES / "good" / "with_setup", tmp_path / "t")
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text(toml.read_text() + '\n[environment.env]\nTOY_CLOCK = "2026-01-01"\n')
+    setup = next((tmp_path / "t" / "environment").glob("*.sh"))
+    setup.write_text(setup.read_text() + '\necho "$TOY_CLOCK" > clock.txt\n')
+    with open_sandbox(load_task(tmp_path / "t")) as s:
+        assert s.run('echo "$TOY_CLOCK"; cat clock.txt', timeout=10).output == "2026-01-01\n2026-01-01\n"
+
+
 def test_dockerfile_task_is_refused_clearly():
     task = load_task(FIXTURES / "docker_only" / "with_dockerfile")
     with pytest.raises(SandboxError, match="runs_on_base"):

@@ -91,6 +91,9 @@ def test_missing_instruction(tmp_path):
     ('setup = "nope.sh"', "environment.setup"),
     ('memory = "lots"', "environment.memory"),
     ("runs_on_base = 1", "environment.runs_on_base"),
+    ('workdir = "/app"\nenv = "X=1"', "environment.env"),
+    ('workdir = "/app"\nenv = { X = { y = 1 } }', "environment.env"),
+    ('workdir = "/app"\nenv = { "1X" = "a" }', "environment.env"),
 ])
 def test_bad_environment_fields(tmp_path, line, field_name):
     shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
@@ -99,6 +102,15 @@ def test_bad_environment_fields(tmp_path, line, field_name):
     with pytest.raises(TaskError) as info:
         load_task(tmp_path / "t")
     assert info.value.field_name == field_name
+
+
+def test_environment_env_is_read(tmp_path):
+    shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text(toml.read_text() + '\n[environment.env]\nGIT_AUTHOR_DATE = "2026-01-01T00:00:00+0000"\nN = 3\n')
+    task = load_task(tmp_path / "t")
+    assert task.agent_env == {"GIT_AUTHOR_DATE": "2026-01-01T00:00:00+0000", "N": "3"}
+    assert load_task(FIXTURES / "good" / "hello").agent_env == {}
 
 
 def test_task_is_frozen():

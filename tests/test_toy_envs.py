@@ -297,3 +297,21 @@ def test_every_evaluation_task_and_a_train_slice_pass_oracle_and_fail_empty(task
     for suite in toy_envs.list_suites():
         for task in toy_envs.generate_suite(suite, task_root / suite, n=60 if suite == "train" else None):
             _check_oracle_and_empty(task)
+
+
+def test_git_commit_hashes_repeat_between_sandboxes():
+    # The git family fixes the commit clock ([environment.env]): a commit's hash, which
+    # `git commit` prints to the agent, is the same in every run, so seeded rollouts repeat.
+    from minirsi.sandbox import open_sandbox
+    from minirsi.tasks import load_task
+
+    root = Path(toy_envs.__file__).parent / "samples" / "core"
+    task = load_task(next(p for p in sorted(root.iterdir()) if p.name.startswith("git-")))
+    assert task.agent_env["GIT_COMMITTER_DATE"] == task.agent_env["GIT_AUTHOR_DATE"]
+    heads = []
+    for _ in range(2):
+        with open_sandbox(task) as s:
+            r = s.run("echo more >> README && git commit -qam again && git rev-parse HEAD", timeout=20)
+            assert r.exit_code == 0, r.output
+            heads.append(r.output)
+    assert heads[0] == heads[1]

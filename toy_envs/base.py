@@ -128,6 +128,8 @@ class Family:
     """Extra helper functions for test_outputs.py."""
     files: tuple[tuple[str, File], ...] = ()
     """Files every task of the family starts with (e.g. a README for the first git commit)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Variables of the agent's shell and the setup script (task.toml ``[environment.env]``)."""
 
     def kind(self, name: str) -> StepKind:
         for k in self.kinds:
@@ -296,6 +298,7 @@ def task_toml(inst: Instance) -> str:
         f"[agent]\ntimeout_sec = {AGENT_TIMEOUT_SEC.get(inst.difficulty, 300.0)}\n\n"
         f"[verifier]\ntimeout_sec = {VERIFIER_TIMEOUT_SEC}\n\n"
         f'[environment]\nworkdir = "/app"{setup}\n'
+        + ("\n[environment.env]\n" + "".join(f'{k} = "{v}"\n' for k, v in inst.family.env) if inst.family.env else "")
     )
 
 

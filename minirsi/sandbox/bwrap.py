@@ -325,7 +325,7 @@ class BwrapSandbox(ShellSandbox):
 
     # --- the shell transport -------------------------------------------------------------------
     def _spawn(self, start_dir: str, ready: str) -> None:
-        env = {"MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
+        env = {**self._task_env(), "MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
         info_r, info_w = os.pipe()
         try:
             argv = self._argv([], env, ["/bin/bash", "--noprofile", "--norc", "-c", DRIVER, "bash", ready], info_fd=info_w)
@@ -481,8 +481,8 @@ class BwrapSandbox(ShellSandbox):
         staged = self._dir / "setup.sh"
         shutil.copyfile(script, staged)
         os.chmod(staged, 0o644)
-        out, code, timed_out = self._oneshot(["--ro-bind", str(staged), "/tmp/minirsi-setup.sh"],
-                                             {}, ["/bin/bash", "/tmp/minirsi-setup.sh"], self.task.setup_timeout_sec)
+        out, code, timed_out = self._oneshot(["--ro-bind", str(staged), "/tmp/minirsi-setup.sh"], self._task_env(),
+                                             ["/bin/bash", "/tmp/minirsi-setup.sh"], self.task.setup_timeout_sec)
         if timed_out or code != 0:
             raise SandboxError(f"task {self.task.task_id}: setup script {script} "
                                f"{'timed out' if timed_out else f'exited {code}'}: {out[-2000:]}")

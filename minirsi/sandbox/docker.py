@@ -195,7 +195,8 @@ class DockerSandbox(ShellSandbox):
             # Not /tmp: put_archive writes beneath the container's tmpfs mount, where bash cannot see it.
             self._root("mkdir -p /opt/minirsi")
             self.container.put_archive("/opt/minirsi", _tar({"setup.sh": task.setup_script}, 0o755))
-            out, code, timed_out = self._exec_once(["bash", "/opt/minirsi/setup.sh"], {}, task.setup_timeout_sec)
+            out, code, timed_out = self._exec_once(["bash", "/opt/minirsi/setup.sh"], self._task_env(),
+                                                   task.setup_timeout_sec)
             self._root("rm -rf /opt/minirsi")
             if timed_out or code != 0:
                 raise SandboxError(f"task {task.task_id}: setup script {'timed out' if timed_out else f'exited {code}'}: {out[-2000:]}")
@@ -231,7 +232,7 @@ class DockerSandbox(ShellSandbox):
     # --- the shell transport ------------------------------------------------------------------------
     def _spawn(self, start_dir: str, ready: str) -> None:
         self._ready = ready
-        env = {"MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
+        env = {**self._task_env(), "MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
         self._exec_id, self._sock = self._attach(["bash", "--noprofile", "--norc", "-c", DRIVER, "bash", ready], env, stdin=True)
         self._demux = _Demux(self._sock)
 

@@ -130,6 +130,10 @@ class ShellSandbox(abc.ABC):
         """The driver's exit status once it has ended, if the backend can tell."""
         return None
 
+    def _task_env(self) -> dict[str, str]:
+        """The task's ``[environment.env]`` variables (for the agent's shell and the setup)."""
+        return dict(getattr(self.task, "agent_env", None) or {})
+
     def _on_ready(self) -> None:
         """Called once the driver has printed its ready line (e.g. to note its pid)."""
 

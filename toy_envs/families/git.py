@@ -146,4 +146,7 @@ FAMILY = Family(
     setup=SETUP,
     helpers=HELPERS,
     files=(("README", File(b"toy repo\n")),),
+    # A fixed clock for commits: their hashes (printed by `git commit`, read back by the
+    # agent) are then the same in every run, so seeded rollouts repeat exactly.
+    env=(("GIT_AUTHOR_DATE", "2026-01-01T00:00:00+0000"), ("GIT_COMMITTER_DATE", "2026-01-01T00:00:00+0000")),
 )
