@@ -310,8 +310,9 @@ def test_length_grouped_minibatches_cover_each_episode_once_in_length_bands(leng
     seen = torch.cat(groups).tolist()
     assert sorted(seen) == list(range(len(lengths)))
     assert all(len(g) <= size for g in groups)
-    # Bands: sorted by their longest member, no group holds a length inside another's range.
-    bands = sorted(((int(L[g].min()), int(L[g].max())) for g in groups), key=lambda b: -b[1])
+    # Bands: in descending order (by longest, then shortest member), each group's shortest is
+    # at least the next group's longest (equal lengths may straddle two groups).
+    bands = sorted(((int(L[g].min()), int(L[g].max())) for g in groups), key=lambda b: (-b[1], -b[0]))
     for (lo, _), (_, hi_next) in zip(bands, bands[1:]):
         assert lo >= hi_next
 
