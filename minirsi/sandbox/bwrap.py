@@ -131,14 +131,20 @@ def _stat_fields(pid: int | str) -> list[bytes] | None:
     return data.rpartition(b")")[2].split()
 
 
+def _ppid(pid: int | str) -> int | None:
+    """The parent pid of ``pid`` (None if the process is gone)."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields and len(fields) > 1 else None
+
+
 def _children() -> dict[int, list[int]]:
     """ppid -> child pids, from /proc."""
     out: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            fields = _stat_fields(name)
-            if fields and len(fields) > 1:
-                out.setdefault(int(fields[1]), []).append(int(name))
+            ppid = _ppid(name)
+            if ppid is not None:
+                out.setdefault(ppid, []).append(int(name))
     return out
 
 
@@ -149,10 +155,8 @@ def _children_of(ppid: int) -> list[int]:
     found: list[int] = []
     for newer in (True, False):
         for pid in pids:
-            if (pid > ppid) == newer:
-                fields = _stat_fields(pid)
-                if fields and len(fields) > 1 and int(fields[1]) == ppid:
-                    found.append(pid)
+            if (pid > ppid) == newer and _ppid(pid) == ppid:
+                found.append(pid)
         if found:
             break
     return found
@@ -190,8 +194,8 @@ def _end_jail(proc: subprocess.Popen, init: int | None = None) -> int:
     ``init``: its host pid when known (bwrap's --info-fd), else found among bwrap's children.
     """
     if init is not None:
-        fields = _stat_fields(init)  # still bwrap's child? (else its pid may be reused)
-        _kill_all([init] if fields and len(fields) > 1 and int(fields[1]) == proc.pid else [])
+        # Still bwrap's child? (else its pid may have been reused)
+        _kill_all([init] if _ppid(init) == proc.pid else [])
     else:
         _kill_all(_children_of(proc.pid))
     try:
