@@ -43,7 +43,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -249,16 +249,25 @@ def by_length(lengths: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
     yield from torch.split(order, chunk)
 
 
-def compute_values(critic: ValueModel, batch: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
-    """V (B, T) without grad, ``chunk`` sequences of similar length at a time (bounds memory;
-    each pass runs on its rows' longest length; 0 past a row's width)."""
+def forward_by_length(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: dict[str, torch.Tensor], chunk: int
+) -> torch.Tensor:
+    """``fn(input_ids, attention_mask) -> (b, t)`` float32 over a right-padded batch, without
+    grad, ``chunk`` sequences of similar length at a time (bounds memory), each pass cut to its
+    rows' longest length; (B, T), 0 past a pass's width."""
     mask = batch["attention_mask"]
     out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     with torch.no_grad():
         for idx in by_length(mask.sum(1), chunk):
             sub = trimmed({"input_ids": batch["input_ids"], "attention_mask": mask}, idx)
-            out[idx, : sub["input_ids"].shape[1]] = critic(sub["input_ids"], sub["attention_mask"])  # float32
+            y = fn(sub["input_ids"], sub["attention_mask"])
+            out[idx, : y.shape[1]] = y
     return out
+
+
+def compute_values(critic: ValueModel, batch: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
+    """V (B, T) without grad (``forward_by_length``)."""
+    return forward_by_length(critic, batch, chunk)
 
 
 def warmup_critic(

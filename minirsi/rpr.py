@@ -59,7 +59,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from minirsi.critic import ValueModel, by_length, compute_values, explained_variance, minibatches, trimmed, value_loss
+from minirsi.critic import (ValueModel, compute_values, explained_variance, forward_by_length, minibatches,
+                            trimmed, value_loss)
 from minirsi.episode import Episode, collate
 
 logger = logging.getLogger(__name__)
@@ -268,14 +269,9 @@ def policy_forward(
 
 def _nograd_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], cfg: RPRConfig,
                      ctx: Callable[[], Any] = nullcontext) -> torch.Tensor:
-    mask = batch["attention_mask"]
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # (B, T)
-    with torch.no_grad(), ctx():
-        for idx in by_length(mask.sum(1), cfg.forward_chunk):
-            sub = trimmed({"input_ids": batch["input_ids"], "attention_mask": mask}, idx)
-            lp = policy_forward(model, sub["input_ids"], sub["attention_mask"], cfg.temperature)[0]
-            out[idx, : lp.shape[1]] = lp
-    return out
+    with ctx():
+        return forward_by_length(lambda ids, am: policy_forward(model, ids, am, cfg.temperature)[0],
+                                 batch, cfg.forward_chunk)
 
 
 def _reference(actor: nn.Module, ref_model: nn.Module | None) -> tuple[nn.Module, Callable[[], Any]]:
@@ -355,8 +351,8 @@ def ppo_update(
     gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
     actor.train()
     critic.train()
+    lengths = batch["attention_mask"].sum(1) if cfg.group_by_length else None
     for _ in range(cfg.ppo_epochs):
-        lengths = batch["attention_mask"].sum(1) if cfg.group_by_length else None
         for micro in minibatches(mask_all.shape[0], cfg.minibatch_size, cfg.grad_accum, gen, lengths):
             n_tok = sum(mask_all[idx].sum() for idx in micro).clamp(min=1)  # N of this minibatch
             optimizers.actor.zero_grad(set_to_none=True)
