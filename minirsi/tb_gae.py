@@ -59,9 +59,10 @@ What touches every token (the rest is O(K) per row for K turns):
 - when every nonzero reward sits on the last action token of its turn (``collate``'s layout;
   checked by clearing those tokens' flags and finding no nonzero reward left, which also
   proves that none sits off-action), Rtot_k is that one reward and all actions of turn k
-  share R_t = Rtot_k + X_k: one broadcast multiply writes it over whole chunks, and only the chunks that hold a turn edge are filled token by token
-  (``_expand_blocks``); then one ``addcmul`` gives A_t = R_t - V_t. Otherwise (rewards inside
-  a turn) a float64 prefix sum F gives Rtot_k and R_t = (F_end_k + X_k) - F_excl_t;
+  share R_t = Rtot_k + X_k: one broadcast multiply writes it over whole chunks, and only the
+  chunks that hold a turn edge are filled token by token (``_expand_blocks``); then one
+  ``addcmul`` gives A_t = R_t - V_t. Otherwise (rewards inside a turn) a float64 prefix sum F
+  gives Rtot_k and R_t = (F_end_k + X_k) - F_excl_t;
 - with more turns than chunks (every token its own turn, K ~ T) the chunk tricks do not pay
   and full ``cumsum`` passes replace them: still vectorised and exact, but the turn-level
   searches and the O(K log K) scan dominate (~0.3 s of CPU for 8 x 262,144 tokens on one
