@@ -14,15 +14,20 @@ run:
 Prints for each: wall time, seconds inside ``sampler.generate`` (wall, and CPU of the thread
 that generates), the share of wall time spent outside generation (sandbox commands, verifier,
 parsing, bookkeeping; target < 25% for the batched run), generated tokens; where the run's CPU
-went (the generating thread, the process's other threads: sandbox opening, commands and
-verifiers, and the sandboxes' own processes), against what the cores allow; then the speed-up
-of batched over sequential (wall time, target >= 4x), of generation (wall), and of the
-generating thread's CPU (what batching the sampler buys when nothing competes with it).
+went: the generating thread, the process's other threads (sandbox opening, commands,
+verifiers), the child processes this process reaped, and the whole machine's busy CPU time
+over the run (``/proc/stat``), against what the cores allow; then the speed-up of batched over
+sequential (wall time, target >= 4x), of generation (wall), and of the generating thread's CPU
+(what batching the sampler buys when nothing competes with it).
 
-Why generation wall exceeds its CPU: the sampler runs the model in this process and releases
-the GIL at every torch op; the sandbox and verifier threads take it between their system calls
-(they scan /proc, spawn jails, poll pipes), and the generating thread waits to retake it. A
-batched run keeps many such threads busy while it generates, a sequential run one or two.
+Why the machine figure: most of a sandbox's processes (the jail's init, the agent's shell and
+commands, the verifier's Python) are reaped inside the jail's PID namespace, and the kernel
+work of creating and tearing down namespaces and workdirs runs in kernel threads, so neither
+reaches this process's ``RUSAGE_CHILDREN``. On a 2-core machine a batched run keeps both cores
+~90% busy, mostly with that work (perf, 32 episodes: the jails' exec chain, bash, git and the
+verifiers' Python starts ~1.4 s of CPU, this process ~1 s); generation then waits for a core,
+which is why its wall time exceeds its CPU time. The machine figure includes any other job
+running at the time: run this on a quiet machine.
 
 The model: ``--model DIR`` (e.g. the pretrained Base from ``minirsi pretrain``), else a
 randomly initialised tiny model with a tokenizer trained on the toy corpus. A random model
@@ -109,10 +114,11 @@ def main() -> None:
         for name, conc, subset in (("batched", args.episodes, tasks), ("sequential", 1, tasks[:n_seq])):
             stats = RolloutStats()
             r0 = (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+            busy0 = _machine_busy()
             eps = collect(subset, sampler, tok, RolloutConfig(concurrency=conc, **base), progress=False, stats=stats)
             r1 = (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
             # (this process, its reaped child processes: every sandbox is closed and reaped by now)
-            cpu[name] = tuple(_cpu(b) - _cpu(a) for a, b in zip(r0, r1))
+            cpu[name] = (*(_cpu(b) - _cpu(a) for a, b in zip(r0, r1)), _machine_busy() - busy0)
             rows[name] = (stats, eps)
         scale = args.episodes / n_seq  # sequential cost per episode, times the number of episodes
 
@@ -128,11 +134,11 @@ def main() -> None:
         )
     cores = len(os.sched_getaffinity(0))
     for name, (s, _) in rows.items():
-        own, children = cpu[name]
-        total = own + children
+        own, children, machine = cpu[name]
         print(
             f"{name:<11} CPU: generating thread {s.generate_cpu_s:.2f}s, other work of this process {own - s.generate_cpu_s:.2f}s, "
-            f"sandbox processes {children:.2f}s; total {total:.2f}s, so wall >= {total / cores:.2f}s on {cores} cores"
+            f"reaped child processes {children:.2f}s; whole machine busy {machine:.2f}s of {cores * s.wall_s:.2f}s "
+            f"({100 * machine / (cores * s.wall_s):.0f}% of {cores} cores), so wall >= {machine / cores:.2f}s"
         )
     for name, (s, _) in rows.items():
         other = s.wall_s - s.generate_s - s.open_s - s.commands_s - s.drain_s
@@ -155,6 +161,13 @@ def main() -> None:
 
 def _cpu(r: resource.struct_rusage) -> float:
     return r.ru_utime + r.ru_stime
+
+
+def _machine_busy() -> float:
+    """CPU seconds all cores spent on anything but idle and I/O wait since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]  # user nice system idle iowait irq softirq steal ...
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
