@@ -20,14 +20,14 @@ over the run (``/proc/stat``), against what the cores allow; then the speed-up o
 sequential (wall time, target >= 4x), of generation (wall), and of the generating thread's CPU
 (what batching the sampler buys when nothing competes with it).
 
-Why the machine figure: most of a sandbox's processes (the jail's init, the agent's shell and
-commands, the verifier's Python) are reaped inside the jail's PID namespace, and the kernel
-work of creating and tearing down namespaces and workdirs runs in kernel threads, so neither
-reaches this process's ``RUSAGE_CHILDREN``. On a 2-core machine a batched run keeps both cores
-~90% busy, mostly with that work (perf, 32 episodes: the jails' exec chain, bash, git and the
-verifiers' Python starts ~1.4 s of CPU, this process ~1 s); generation then waits for a core,
-which is why its wall time exceeds its CPU time. The machine figure includes any other job
-running at the time: run this on a quiet machine.
+Why the machine figure: a jail's processes (its init, the agent's shell and commands, the
+verifier's Python) are reaped by the jail's own init and killed with it when the sandbox
+closes, so most of their CPU never reaches this process's ``RUSAGE_CHILDREN`` (measured: ~0.6
+s of it where the machine counted ~2 s beyond this process). On a 2-core machine a batched run
+keeps both cores ~90% busy, mostly with that work (perf, 32 episodes: the jails' exec chain,
+bash, git and the verifiers' Python ~1.6 s of CPU, this process ~1.1 s); generation then
+waits for a core, which is why its wall time exceeds its CPU time. The machine figure
+includes any other job running at the time: run this on a quiet machine.
 
 The model: ``--model DIR`` (e.g. the pretrained Base from ``minirsi pretrain``), else a
 randomly initialised tiny model with a tokenizer trained on the toy corpus. A random model
