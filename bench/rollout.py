@@ -132,13 +132,13 @@ def main() -> None:
             f"{name:<11} {len(eps):8d} {s.wall_s:8.2f} {s.generate_s:11.2f} {s.generate_cpu_s:10.2f} {100 * s.outside_generation:11.1f}% "
             f"{s.generated_tokens:11d} {turns:6.2f} {succ:8.2f}  {dict(Counter(e.stop_reason for e in eps))}"
         )
-    cores = len(os.sched_getaffinity(0))
+    cores = os.cpu_count() or 1  # /proc/stat's first line sums every CPU of the machine
     for name, (s, _) in rows.items():
         own, children, machine = cpu[name]
         print(
             f"{name:<11} CPU: generating thread {s.generate_cpu_s:.2f}s, other work of this process {own - s.generate_cpu_s:.2f}s, "
             f"reaped child processes {children:.2f}s; whole machine busy {machine:.2f}s of {cores * s.wall_s:.2f}s "
-            f"({100 * machine / (cores * s.wall_s):.0f}% of {cores} cores), so wall >= {machine / cores:.2f}s"
+            f"({100 * machine / (cores * s.wall_s):.0f}% of {cores} CPUs), so wall >= {machine / cores:.2f}s"
         )
     for name, (s, _) in rows.items():
         other = s.wall_s - s.generate_s - s.open_s - s.commands_s - s.drain_s
