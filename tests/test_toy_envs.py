@@ -315,3 +315,40 @@ def test_git_commit_hashes_repeat_between_sandboxes():
             assert r.exit_code == 0, r.output
             heads.append(r.output)
     assert heads[0] == heads[1]
+
+
+def test_run_checks_junit_survives_any_message(tmp_path, capsys):
+    """run_checks writes its junit file by hand (xml.etree cost a verifier ~5 ms of imports): a
+    check's message may quote anything the agent wrote, and the file must still parse, with
+    every outcome and the text intact up to characters XML cannot hold."""
+    import xml.etree.ElementTree as ET
+
+    from minirsi.verifier import parse_junit
+    from toy_envs import run_checks
+
+    nasty = 'a&b <c> "d" \'e\'\ttab\nline\r\x00\x07\x1b[31m \ud800 \ufffe end'
+    test_file = tmp_path / "test_outputs.py"
+    test_file.write_text(
+        f"def test_passes():\n    pass\n\n"
+        f"def test_fails():\n    raise AssertionError({nasty!r})\n\n"
+        f"def test_hygiene_ok():\n    assert True\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "junit.xml"
+    assert run_checks.main([str(test_file), str(out)]) == 1
+    checks, hygiene = parse_junit(out.read_bytes())
+    assert checks == {"test_outputs::test_passes": "passed", "test_outputs::test_fails": "failed",
+                      "test_outputs::test_hygiene_ok": "passed"}
+    assert hygiene == {"test_outputs::test_hygiene_ok"}
+    suite = ET.fromstring(out.read_bytes()).find("testsuite")
+    assert (suite.get("tests"), suite.get("failures")) == ("3", "1")
+    failure = suite.find("testcase[@name='test_fails']/failure")
+    expected = "AssertionError: " + nasty.translate(run_checks._BAD_XML).replace("\ud800", "?")
+    assert failure.get("message") == expected  # attributes keep \t, \n and \r as character references
+    assert failure.text.endswith(expected.replace("\r", "\n"))  # character data: XML reads a lone \r as \n
+    # A file that does not even import: nothing ran, the junit still parses, exit code 2.
+    test_file.write_text("def broken(:\n", encoding="utf-8")
+    assert run_checks.main([str(test_file), str(out)]) == 2
+    assert parse_junit(out.read_bytes()) == ({}, set())
+    assert run_checks.main([str(test_file)]) == 2  # usage
+    capsys.readouterr()
