@@ -191,6 +191,8 @@ def cli(argv: Sequence[str] | None = None, command: str = "eval") -> int:
     p.add_argument("--n", type=int, default=None, help="toy tasks per suite when generating (default: the suite's own)")
     p.add_argument("--seed", type=int, default=0, help="toy suite seed when generating; sampling seed")
     p.add_argument("--max-turns", type=int, default=None, help="turn limit per episode")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default 1.0, as the recipe evaluates; 0 is greedy)")
     p.add_argument("--out", default="", help="write the results JSON (and episodes beside it) here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -208,6 +210,8 @@ def cli(argv: Sequence[str] | None = None, command: str = "eval") -> int:
         cfg = rollout.RolloutConfig()
         if args.max_turns is not None:
             cfg = dataclasses.replace(cfg, max_turns=args.max_turns)
+        if args.temperature is not None:
+            cfg = dataclasses.replace(cfg, temperature=args.temperature)
         out_dir = Path(args.out).with_suffix("") if args.out else None
         results = evaluate(actor, tokenizer, suites, k=args.k, rollout_cfg=cfg, out_dir=out_dir, seed=args.seed)
     except ValueError as e:

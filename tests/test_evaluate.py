@@ -104,3 +104,19 @@ def test_cli_missing_suite_dir_is_a_clear_error(tmp_path, capsys):
     rc = ev.cli(["--model", str(tmp_path), "--tasks", str(tmp_path / "nothing"), "--suites", "core"])
     assert rc == 2
     assert "suite 'core'" in capsys.readouterr().err
+
+
+def test_cli_passes_temperature_and_rejects_a_negative_one(tmp_path, capsys, monkeypatch):
+    import minirsi.models
+
+    seen = {}
+    monkeypatch.setattr(ev, "load_suites", lambda root, names: {})
+    monkeypatch.setattr(minirsi.models, "load_actor", lambda path: (None, None))
+    monkeypatch.setattr(ev, "evaluate", lambda *a, rollout_cfg, **k: seen.setdefault("cfg", rollout_cfg) and {})
+    args = ["--model", str(tmp_path), "--tasks", str(tmp_path), "--suites", "core"]
+    assert ev.cli(args + ["--temperature", "0"]) == 0
+    assert seen.pop("cfg").temperature == 0.0
+    assert ev.cli(args) == 0
+    assert seen.pop("cfg").temperature == 1.0  # the recipe's evaluation temperature by default
+    assert ev.cli(args + ["--temperature", "-1"]) == 2
+    assert "rollout.temperature=-1.0" in capsys.readouterr().err
