@@ -329,7 +329,7 @@ class BwrapSandbox(ShellSandbox):
 
     # --- the shell transport -------------------------------------------------------------------
     def _spawn(self, start_dir: str, ready: str) -> None:
-        env = {**self._task_env(), "MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
+        env = self._driver_env(start_dir)
         info_r, info_w = os.pipe()
         try:
             argv = self._argv([], env, ["/bin/bash", "--noprofile", "--norc", "-c", DRIVER, "bash", ready], info_fd=info_w)

@@ -232,7 +232,7 @@ class DockerSandbox(ShellSandbox):
     # --- the shell transport ------------------------------------------------------------------------
     def _spawn(self, start_dir: str, ready: str) -> None:
         self._ready = ready
-        env = {**self._task_env(), "MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
+        env = self._driver_env(start_dir)
         self._exec_id, self._sock = self._attach(["bash", "--noprofile", "--norc", "-c", DRIVER, "bash", ready], env, stdin=True)
         self._demux = _Demux(self._sock)
 

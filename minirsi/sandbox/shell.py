@@ -134,6 +134,11 @@ class ShellSandbox(abc.ABC):
         """The task's ``[environment.env]`` variables (for the agent's shell and the setup)."""
         return dict(getattr(self.task, "agent_env", None) or {})
 
+    def _driver_env(self, start_dir: str) -> dict[str, str]:
+        """The environment ``_spawn`` starts ``DRIVER`` with: the task's variables and the two
+        directories the driver reads (and unsets) before the agent's first command."""
+        return {**self._task_env(), "MINIRSI_START_DIR": start_dir, "MINIRSI_WORKDIR": self.task.workdir}
+
     def _on_ready(self) -> None:
         """Called once the driver has printed its ready line (e.g. to note its pid)."""
 
