@@ -58,9 +58,11 @@ Call::
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import shutil
 import tempfile
+import threading
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,18 +145,39 @@ def static_checks(tests_dir: Path) -> dict[str, bool]:
     found: dict[str, bool] = {}
     for path in sorted(tests_dir.glob("test_*.py")):
         try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except (SyntaxError, UnicodeDecodeError):
+            text = path.read_text()
+        except UnicodeDecodeError:
             continue
+        found.update(_file_checks(path.stem, text))
+    return found
+
+
+_AST_LOCK = threading.Lock()
+"""CPython 3.11 keeps the AST constructor's recursion counter per interpreter, not per thread:
+two threads parsing at once (the rollout verifies episodes on its sandbox threads) can fail
+with "SystemError: AST constructor recursion depth mismatch", which cost one evaluation episode
+its success here. Every parse in this module holds this lock."""
+
+
+@functools.lru_cache(maxsize=512)
+def _file_checks(stem: str, text: str) -> tuple[tuple[str, bool], ...]:
+    """(name, is hygiene) of each test in one file's ``text``; cached, since every episode of a
+    task verifies against the same file."""
+    with _AST_LOCK:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):  # ValueError: how older Pythons reject a NUL byte
+            return ()
+        found = []
         for node in tree.body:
-            scopes = [(path.stem, node)]
+            scopes = [(stem, node)]
             if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-                scopes = [(f"{path.stem}::{node.name}", n) for n in node.body]
+                scopes = [(f"{stem}::{node.name}", n) for n in node.body]
             for prefix, fn in scopes:
                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name.startswith("test"):
                     marked = any(_is_hygiene_decorator(d) for d in fn.decorator_list)
-                    found[f"{prefix}::{fn.name}"] = marked or fn.name.startswith("test_hygiene")
-    return found
+                    found.append((f"{prefix}::{fn.name}", marked or fn.name.startswith("test_hygiene")))
+        return tuple(found)
 
 
 def _read_reward(raw: bytes | None) -> tuple[bool, str | None]:

@@ -58,6 +58,30 @@ def test_static_checks(tmp_path):
                                        "test_outputs::TestG::test_c": False}
 
 
+
+def test_static_checks_from_many_threads_and_on_unparsable_files(tmp_path):
+    """The rollout verifies episodes on many threads at once, and CPython 3.11's AST constructor
+    is not thread-safe (one evaluation episode lost its success to "SystemError: AST constructor
+    recursion depth mismatch"); static_checks parses under a lock, once per file text. The race
+    itself did not reproduce on demand (8 threads parsing for seconds), so this checks what can
+    be checked: many threads get the same answer, the parse is cached, and a file that cannot
+    be parsed (a syntax error, a NUL byte) declares no checks instead of failing the episode."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minirsi.verifier import _file_checks
+
+    body = "import pytest\n" + "".join(f"def test_{i}(): assert {'[' * 20}1{']' * 20}\n" for i in range(40))
+    (tmp_path / "test_outputs.py").write_text(body)
+    want = {f"test_outputs::test_{i}": False for i in range(40)}
+    _file_checks.cache_clear()
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: static_checks(tmp_path), range(64)))
+    assert all(g == want for g in got)
+    assert _file_checks.cache_info().misses == 1
+    for bad in ("def test_a(:\n", "def test_a(): pass\n\x00\n"):
+        (tmp_path / "test_outputs.py").write_text(bad)
+        assert static_checks(tmp_path) == {}
+
 def test_oracle_passes_and_empty_run_fails():
     oracle, empty = run_oracle(HELLO), run_empty(HELLO)
     assert (oracle.success, oracle.passed, oracle.total) == (True, 2, 2) and oracle.error is None
