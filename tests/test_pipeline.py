@@ -401,8 +401,8 @@ def test_smoke_preset_end_to_end_final_stage_beats_base(tmp_path):
     """The end-to-end run, CI's gate on the recipe: the real stages on the smoke preset, then
     Base against the final stage (RPR-2) on the same 72 held-out core instances with the same
     sampling seeds, and every stage's checkpoint files. The run is deterministic on one machine
-    (seed 0: 3.7% -> 8.3%, 8 successes more of 216); over seeds 0-3 the final stage won by
-    0.4-4.6 points (presets/smoke.yaml). With its Base cached (~/.cache/minirsi/base, filled by
+    (seed 0: 3.7% -> 10.6%, 15 successes more of 216); over seeds 0-3 the final stage won by
+    1.8-6.9 points (presets/smoke.yaml). With its Base cached (~/.cache/minirsi/base, filled by
     the first run) it takes ~2.5 minutes on the 2-core CPU; a cold cache adds the Base
     pretraining (~5 minutes). ``-m "not recipe"`` skips it."""
     out = tmp_path / "smoke"
