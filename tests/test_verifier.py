@@ -58,7 +58,6 @@ def test_static_checks(tmp_path):
                                        "test_outputs::TestG::test_c": False}
 
 
-
 def test_static_checks_from_many_threads_and_on_unparsable_files(tmp_path):
     """The rollout verifies episodes on many threads at once, and CPython 3.11's AST constructor
     is not thread-safe (one evaluation episode lost its success to "SystemError: AST constructor
@@ -81,6 +80,7 @@ def test_static_checks_from_many_threads_and_on_unparsable_files(tmp_path):
     for bad in ("def test_a(:\n", "def test_a(): pass\n\x00\n"):
         (tmp_path / "test_outputs.py").write_text(bad)
         assert static_checks(tmp_path) == {}
+
 
 def test_oracle_passes_and_empty_run_fails():
     oracle, empty = run_oracle(HELLO), run_empty(HELLO)
