@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("minirsi.evaluate", "Mean@3 of a checkpoint on the toy suites"),
     "report": ("minirsi.report", "write the Markdown report and plots of a run"),
     "audit": ("minirsi.report", "rescore a run's episodes under FDR and SPR"),
+    "plan": ("minirsi.memplan", "memory per GPU and step time of a sharded run, before queueing it"),
 }
 
 

@@ -186,6 +186,23 @@ class LoraSettings:
             raise ValueError("lora.target_modules is empty; name at least one linear layer, e.g. q_proj")
 
 
+@dataclass
+class LoraRecipe(LoraSettings):
+    """LoRA as a recipe option (``lora.enabled=true``): every RSR and RPR stage trains adapters on
+    a frozen actor, sharded like the full model; each stage's actor/ is still a full checkpoint."""
+
+    enabled: bool = False
+    """Train the actor through LoRA adapters (the critic stays fully trained)."""
+    save: str = "merged"
+    """What a stage writes to actor/: "merged" (adapters folded in: any loader reads it) or
+    "adapter" (peft's adapter dir + the base id: small, needs the base to load)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.save not in ("merged", "adapter"):
+            raise ValueError(f"lora.save={self.save!r}: use merged or adapter")
+
+
 def attach_lora(model: PreTrainedModel, lora: LoraSettings) -> PreTrainedModel:
     """Wrap ``model`` in a peft LoRA adapter; the base weights are frozen."""
     from peft import LoraConfig, get_peft_model  # imported here: only LoRA runs pay for it

@@ -77,6 +77,8 @@ EVALUATED = ("base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr1_cont", 
 """Stages that can be evaluated (the warm-up trains only the critic)."""
 
 # Imported after the stdlib so a missing sibling module fails with its own name.
+from minirsi.memplan import ScaleConfig  # noqa: E402
+from minirsi.models import LoraRecipe  # noqa: E402
 from minirsi.pretrain import PretrainConfig  # noqa: E402
 from minirsi.rollout import RolloutConfig  # noqa: E402
 from minirsi.rpr import RPRConfig  # noqa: E402
@@ -221,6 +223,10 @@ class RunConfig:
     """Calibration: D_f is this quantile of the check counts C of family f's training tasks."""
     fdr_fallback: float = 82.0
     """D_f of a family with no calibration task (the paper's 82)."""
+    lora: LoraRecipe = field(default_factory=LoraRecipe)
+    """LoRA adapters for actor training (off by default: full fine-tuning)."""
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+    """The GPUs a sharded run is planned for; a run the planner says will not fit is refused."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
