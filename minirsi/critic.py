@@ -53,6 +53,7 @@ from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 from minirsi.episode import Episode, collate
 
 if TYPE_CHECKING:  # rpr imports this module; the config is only a type hint here
+    from minirsi.distributed import World
     from minirsi.rpr import RPRConfig
 
 logger = logging.getLogger(__name__)
@@ -277,6 +278,7 @@ def warmup_critic(
     cfg: "RPRConfig",
     optimizer: torch.optim.Optimizer | None = None,
     pad_id: int = 0,
+    world: "World | None" = None,
 ) -> list[float]:
     """Warm-up Critic Model: one critic-only epoch over rollouts of a frozen actor.
 
@@ -285,13 +287,17 @@ def warmup_critic(
     ``cfg.lam_turn``, then one optimizer step on L_V (``cfg.value_clip``, gradients accumulated
     over ``cfg.grad_accum`` micro-batches, clipped to ``cfg.max_grad_norm``). The EV of V_old
     against R is measured before each step, on sequences the critic has not yet trained on in
-    this epoch, so the list tracks how well the critic generalises as it learns.
+    this epoch, so the list tracks how well the critic generalises as it learns. Sharded
+    (``world``): each rank trains on its rows of each micro-batch, with N all-reduced
+    (minirsi.distributed); V_old and the EV are computed on the whole minibatch by every rank.
 
     Returns:
         EV per update, in order.
     """
+    from minirsi.distributed import SINGLE
     from minirsi.tb_gae import tb_gae  # the "math" helper's module
 
+    world = world or SINGLE
     if len(episodes) != len(rewards):
         raise ValueError(f"warmup_critic: {len(episodes)} episodes but {len(rewards)} rewards")
     if optimizer is None:
@@ -312,6 +318,9 @@ def warmup_critic(
         r = torch.cat([b["returns"][b["action_mask"].bool()] for b in parts])  # (N,)
         v = torch.cat([b["old_values"][b["action_mask"].bool()] for b in parts])  # (N,)
         evs.append(explained_variance(r, v, torch.ones_like(r)))
+        if world.size > 1:  # train on this rank's rows, normalised by N / W (minirsi.distributed)
+            parts = [world.local(b) for b in parts]
+            n_tok = world.normalizer(sum(b["action_mask"].sum() for b in parts).clamp(min=1))
         optimizer.zero_grad(set_to_none=True)
         for b in parts:
             v = critic(b["input_ids"], b["attention_mask"])

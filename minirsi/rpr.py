@@ -59,8 +59,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from minirsi.critic import (ValueModel, compute_values, explained_variance, forward_by_length, minibatches,
-                            trimmed, value_loss)
+from minirsi.critic import ValueModel, explained_variance, minibatches, trimmed, value_loss
+from minirsi.distributed import SINGLE, World
 from minirsi.episode import Episode, collate
 
 logger = logging.getLogger(__name__)
@@ -268,10 +268,10 @@ def policy_forward(
 
 
 def _nograd_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], cfg: RPRConfig,
-                     ctx: Callable[[], Any] = nullcontext) -> torch.Tensor:
+                     ctx: Callable[[], Any] = nullcontext, world: World = SINGLE) -> torch.Tensor:
     with ctx():
-        return forward_by_length(lambda ids, am: policy_forward(model, ids, am, cfg.temperature)[0],
-                                 batch, cfg.forward_chunk)
+        return world.forward_rows(lambda ids, am: policy_forward(model, ids, am, cfg.temperature)[0],
+                                  batch, cfg.forward_chunk)
 
 
 def _reference(actor: nn.Module, ref_model: nn.Module | None) -> tuple[nn.Module, Callable[[], Any]]:
@@ -294,13 +294,15 @@ def prepare_batch(
     cfg: RPRConfig,
     pad_id: int = 0,
     ref_model: nn.Module | None = None,
+    world: World = SINGLE,
 ) -> dict[str, torch.Tensor]:
     """Collate episodes and add everything PPO needs, computed once before any update.
 
     Adds to ``episode.collate``'s tensors (all (B, T)): ``sampler_logprobs`` (the sampler's),
     ``old_logprobs`` (recomputed by ``actor``), ``old_values`` (V_old), ``advantages`` (TB-GAE,
     whitened if ``cfg.whiten_advantages``), ``returns`` (R = A + V_old, before whitening) and,
-    when ``cfg.kl_coef > 0``, ``ref_logprobs``.
+    when ``cfg.kl_coef > 0``, ``ref_logprobs``. Every rank gets the whole batch; ``world`` splits
+    the no-grad passes' rows over the ranks (minirsi.distributed).
     """
     from minirsi.tb_gae import tb_gae  # the "math" helper's module
 
@@ -308,12 +310,12 @@ def prepare_batch(
     batch["sampler_logprobs"] = batch.pop("old_logprobs")
     was_training = actor.training
     actor.eval()  # no dropout in the "old policy"; restored below
-    batch["old_logprobs"] = _nograd_logprobs(actor, batch, cfg)
+    batch["old_logprobs"] = _nograd_logprobs(actor, batch, cfg, world=world)
     if cfg.kl_coef > 0:
         model, ctx = _reference(actor, ref_model)
-        batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx)
+        batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx, world)
     actor.train(was_training)
-    batch["old_values"] = compute_values(critic, batch, cfg.forward_chunk)
+    batch["old_values"] = world.forward_rows(critic, batch, cfg.forward_chunk)  # V_old
     advantages, returns = tb_gae(batch["rewards"], batch["old_values"], batch["action_mask"],
                                  batch["turn_ids"], cfg.gamma_turn, cfg.lam_turn)
     batch["returns"] = returns
@@ -330,6 +332,7 @@ def ppo_update(
     ref_model: nn.Module | None = None,
     update_actor: bool = True,
     seed: int | None = None,
+    world: World = SINGLE,
 ) -> dict[str, float]:
     """``cfg.ppo_epochs`` passes over ``batch`` (from ``prepare_batch``) in minibatches of
     ``cfg.minibatch_size`` episodes, each accumulated over ``cfg.grad_accum`` micro-batches.
@@ -338,11 +341,15 @@ def ppo_update(
     metrics) and its optimizer never steps. ``ref_model`` is used only when the batch has no
     ``ref_logprobs`` yet. ``seed`` (default ``cfg.seed``) seeds the minibatch shuffle; run_rpr
     passes a new one each step. Returns metrics averaged over all action tokens seen.
+
+    Sharded (``world``, minirsi.distributed): every rank holds the whole batch, draws the same
+    minibatches, and trains on its rows of each micro-batch (``world.local``) with the loss
+    normaliser all-reduced (``world.normalizer``), so the update equals the one-process one.
     """
     mask_all = batch["action_mask"]
     if cfg.kl_coef > 0 and "ref_logprobs" not in batch:
         model, ctx = _reference(actor, ref_model)
-        batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx)
+        batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx, world)
     sums: dict[str, float] = {k: 0.0 for k in ("policy_loss", "value_loss", "clip_frac", "entropy",
                                                "approx_kl", "kl_ref")}
     norms = {"grad_norm_actor": 0.0, "grad_norm_critic": 0.0}
@@ -354,12 +361,13 @@ def ppo_update(
     lengths = batch["attention_mask"].sum(1) if cfg.group_by_length else None
     for _ in range(cfg.ppo_epochs):
         for micro in minibatches(mask_all.shape[0], cfg.minibatch_size, cfg.grad_accum, gen, lengths):
-            n_tok = sum(mask_all[idx].sum() for idx in micro).clamp(min=1)  # N of this minibatch
+            # this rank's rows of each micro-batch, cut after their longest sequence (all rows at world size 1)
+            parts = [world.local(trimmed(batch, idx)) for idx in micro]
+            n_tok = world.normalizer(sum(mb["action_mask"].sum() for mb in parts).clamp(min=1))  # N of this minibatch
             optimizers.actor.zero_grad(set_to_none=True)
             optimizers.critic.zero_grad(set_to_none=True)
             mb_kl, mb_w = 0.0, 0.0
-            for idx in micro:
-                mb = trimmed(batch, idx)  # cut after the micro-batch's longest sequence
+            for mb in parts:
                 m = mb["action_mask"]
                 with (nullcontext() if not stopped else torch.no_grad()):
                     logprobs, entropy = policy_forward(actor, mb["input_ids"], mb["attention_mask"],
@@ -384,6 +392,8 @@ def ppo_update(
                 sums["approx_kl"] += kl * w
                 mb_kl, mb_w = mb_kl + kl * w, mb_w + w
                 seen += w
+            if not stopped and cfg.target_kl > 0:
+                mb_kl, mb_w = world.all_sum([mb_kl, mb_w])  # every rank stops alike
             if not stopped and cfg.target_kl > 0 and mb_kl / max(mb_w, 1.0) > cfg.target_kl:
                 stopped = True  # this minibatch's gradient is dropped, and all later ones
                 optimizers.actor.zero_grad(set_to_none=True)
@@ -397,6 +407,8 @@ def ppo_update(
             norms["grad_norm_critic"] += float(torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm))
             optimizers.critic.step()
             n_steps += 1
+    totals = world.all_sum([*sums.values(), seen])
+    sums, seen = dict(zip(sums, totals[:-1])), totals[-1]
     metrics = {k: v / max(seen, 1.0) for k, v in sums.items()}
     # Before clipping, the mean over each model's own optimizer steps.
     metrics["grad_norm_actor"] = norms["grad_norm_actor"] / max(actor_steps, 1)
@@ -497,13 +509,16 @@ def run_rpr(
     ref_model: nn.Module | None = None,
     scales_prime: dict[str, float] | None = None,
     optimizers: Optimizers | None = None,
+    world: World = SINGLE,
 ) -> list[dict[str, Any]]:
     """One RPR phase: ``cfg.critic_calibration_updates`` critic-only steps, then ``cfg.steps``
     joint PPO steps. Updates ``actor`` and ``critic`` in place; returns one metrics dict per
     step (``phase`` = "calibrate" | "joint"), each also passed to ``log_fn``.
 
     ``optimizers`` (default: ``make_optimizers``) lets a continuation keep its AdamW state;
-    ``ref_model`` is the KL reference (default: see the module docstring)."""
+    ``ref_model`` is the KL reference (default: see the module docstring; a sharded run passes
+    its own sharded copy). ``world`` shards the update (minirsi.distributed); ``rollout_fn`` is
+    then ``world.rollout_fn(...)``, so every rank sees the same episodes."""
     torch.manual_seed(cfg.seed)
     pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
@@ -523,9 +538,9 @@ def run_rpr(
             raise RuntimeError(f"RPR step {step}: no episode has an action token; check the sampler/sandbox")
         rewards = score(usable, cfg.reward, scales, scales_prime)
         fdr = score(usable, "fdr", scales)
-        batch = prepare_batch(actor, critic, usable, rewards, cfg, pad_id, ref_model)
+        batch = prepare_batch(actor, critic, usable, rewards, cfg, pad_id, ref_model, world)
         metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model, update_actor=phase == "joint",
-                             seed=step_seed)
+                             seed=step_seed, world=world)
         t2 = time.perf_counter()
         record: dict[str, Any] = {
             "step": step, "phase": phase,

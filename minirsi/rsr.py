@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from minirsi import actions
+from minirsi.distributed import SINGLE, World
 from minirsi.episode import Episode
 
 logger = logging.getLogger(__name__)
@@ -301,13 +302,15 @@ def render_rewrite(tokenizer: Any, task: Any, replay: Replay) -> tuple[list[int]
 
 
 def sft_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-             action_mask: torch.Tensor) -> torch.Tensor:
+             action_mask: torch.Tensor, normalizer: torch.Tensor | None = None) -> torch.Tensor:
     """L = -sum_t m_t log pi(x_t | x_<t) / sum_t m_t, all (B, T) inputs; token mean over the
-    batch's action tokens (prompt, observation and padding never enter)."""
+    batch's action tokens (prompt, observation and padding never enter). ``normalizer``
+    replaces sum_t m_t (a sharded step passes N / W, minirsi.distributed)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, T-1)
     m = action_mask[:, 1:].bool()
-    return torch.where(m, nll, torch.zeros_like(nll)).sum() / m.sum().clamp(min=1)
+    n = m.sum().clamp(min=1) if normalizer is None else normalizer
+    return torch.where(m, nll, torch.zeros_like(nll)).sum() / n
 
 
 def make_optimizer(model: nn.Module, cfg: RSRConfig) -> torch.optim.Optimizer:
@@ -316,11 +319,12 @@ def make_optimizer(model: nn.Module, cfg: RSRConfig) -> torch.optim.Optimizer:
 
 
 def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: RSRConfig, pad_id: int,
-        optimizer: torch.optim.Optimizer | None = None) -> list[float]:
+        optimizer: torch.optim.Optimizer | None = None, world: World = SINGLE) -> list[float]:
     """Cross-entropy on action tokens: ``cfg.epochs`` seeded-shuffled passes, AdamW at ``cfg.lr``
     (``optimizer``, when given, is used and keeps its state for the caller to checkpoint).
 
-    examples: (token_ids, action_mask) pairs. Returns the loss of every optimizer step."""
+    examples: (token_ids, action_mask) pairs. Returns the loss of every optimizer step.
+    Sharded (``world``): every rank builds the same batch and trains on its rows of it."""
     if not examples:
         return []
     opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
@@ -341,12 +345,18 @@ def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: 
                 att[i, :len(x)] = 1
                 act[i, :len(x)] = torch.tensor(m, dtype=torch.float32)
             device = next(model.parameters()).device
-            loss = sft_loss(model, ids.to(device), att.to(device), act.to(device))
+            if world.size == 1:
+                loss = sft_loss(model, ids.to(device), att.to(device), act.to(device))
+            else:  # this rank's rows, normalised by N / W
+                mine = world.local({"input_ids": ids, "attention_mask": att, "action_mask": act})
+                n = world.normalizer(mine["action_mask"][:, 1:].sum().clamp(min=1))
+                loss = sft_loss(model, *(mine[k].to(device) for k in ("input_ids", "attention_mask", "action_mask")),
+                                normalizer=n)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
             opt.step()
-            losses.append(float(loss.detach()))
+            losses.append(float(world.all_sum(loss.detach())) / world.size)  # the whole batch's loss
     return losses
 
 
@@ -399,6 +409,7 @@ def run_rsr(
     replay_fn: ReplayFn | None = None,
     log_fn: Callable[[dict[str, Any]], None] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    world: World = SINGLE,
 ) -> RSRStats:
     """One RSR stage on ``actor`` (fine-tuned in place). The critic is not an argument: RSR
     cannot touch it.
@@ -408,6 +419,9 @@ def run_rsr(
         planner: defaults to ``cfg.planner`` (LLMPlanner on the actor, or ReplayMinimiser).
         replay_fn: defaults to a fresh ``cfg.backend`` sandbox + the verifier per call.
         optimizer: the SFT optimizer (default: ``make_optimizer``); pass one to checkpoint it.
+        world: a sharded run (minirsi.distributed): rank 0 samples (``rollout_fn`` is then
+            ``world.rollout_fn(...)``), rewrites and replays with an unsharded copy of the actor,
+            every rank gets the SFT examples and trains on its share of each batch.
     """
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -421,12 +435,33 @@ def run_rsr(
             cache[key] = replay_fn(task, commands)
         return cache[key]
 
-    planner = planner or make_planner(cfg, actor, tokenizer, replay)
     by_id = {t.task_id: t for t in train_tasks}
     tasks = [t for t in train_tasks for _ in range(cfg.samples_per_task)]
     was_training = actor.training
     actor.eval()
     episodes = rollout_fn(actor, tasks, cfg.seed)
+    plain = world.unsharded(actor)  # the LLM planner samples from rank 0's plain copy
+    stats, examples = world.on_main(lambda: _rewrite(episodes, planner or make_planner(cfg, plain, tokenizer, replay),
+                                                     replay, by_id, tokenizer, cfg))
+    actor.train(was_training)
+    stats.sft_examples = len(examples)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    losses = sft(actor, list(examples.values()), cfg, pad_id, optimizer, world)
+    if losses:
+        stats.sft_loss_first, stats.sft_loss_last = losses[0], losses[-1]
+    stats.seconds = time.perf_counter() - t0
+    logger.info("RSR: sampled %d, verified %d, rewritten %d, re-verified %d (%d cleaned), turns %.2f -> %.2f, "
+                "SFT loss %.3f -> %.3f", stats.runs_sampled, stats.runs_verified, stats.rewritten,
+                stats.reverified, stats.from_fallback, stats.mean_turns_before, stats.mean_turns_after,
+                stats.sft_loss_first, stats.sft_loss_last)
+    if log_fn is not None:
+        log_fn({k: v for k, v in stats.to_dict().items() if k != "kept"})
+    return stats
+
+
+def _rewrite(episodes: Sequence[Episode], planner: Planner, replay: ReplayFn, by_id: dict[str, Any],
+             tokenizer: Any, cfg: RSRConfig) -> tuple[RSRStats, dict[tuple[str, tuple[str, ...]], tuple[list[int], list[int]]]]:
+    """Verified runs -> cleaned -> rewritten -> re-verified -> distinct SFT examples."""
     stats = RSRStats(runs_sampled=len(episodes))
     verified = [e for e in episodes if e.success]
     stats.runs_verified = len(verified)
@@ -453,18 +488,5 @@ def run_rsr(
                 ids, mask, _ = render_rewrite(tokenizer, task, result)
                 examples[key] = (ids, mask)
                 stats.kept.append({"task_id": task.task_id, "commands": list(result.commands), "source": source})
-    actor.train(was_training)
-    stats.sft_examples = len(examples)
     stats.mean_turns_after = sum(turns_after) / len(turns_after) if turns_after else 0.0
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    losses = sft(actor, list(examples.values()), cfg, pad_id, optimizer)
-    if losses:
-        stats.sft_loss_first, stats.sft_loss_last = losses[0], losses[-1]
-    stats.seconds = time.perf_counter() - t0
-    logger.info("RSR: sampled %d, verified %d, rewritten %d, re-verified %d (%d cleaned), turns %.2f -> %.2f, "
-                "SFT loss %.3f -> %.3f", stats.runs_sampled, stats.runs_verified, stats.rewritten,
-                stats.reverified, stats.from_fallback, stats.mean_turns_before, stats.mean_turns_after,
-                stats.sft_loss_first, stats.sft_loss_last)
-    if log_fn is not None:
-        log_fn({k: v for k, v in stats.to_dict().items() if k != "kept"})
-    return stats
+    return stats, examples
