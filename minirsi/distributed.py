@@ -192,6 +192,31 @@ class World:
             save_fn(plain)
         self.barrier()
 
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What ``optimizer.pt`` holds: ``optimizer.state_dict()`` in one process; a sharded run
+        gathers the full state to rank 0, keyed by parameter name (``load_optimizer_state``
+        reads either at any world size). Every rank must call it."""
+        if self.size == 1:
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load what ``optimizer_state`` wrote, from a run of any world size."""
+        by_index = all(isinstance(k, int) for k in state["state"])
+        if self.size == 1 and by_index:
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if by_index:  # one process wrote it: its indices follow the order the optimizer was built in
+            names = [_plain_key(n) for n, p in model.named_parameters() if p.requires_grad]
+            state = {"state": {names[i]: v for i, v in state["state"].items()},
+                     "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
     # -- objects -------------------------------------------------------------------------------
 
     def broadcast(self, obj: Any) -> Any:
@@ -263,11 +288,13 @@ def init(device: str = "cpu") -> World:
     return _current
 
 
-def shutdown() -> None:
-    """Leave the process group (``destroy_process_group``); back to ``SINGLE``."""
+def shutdown(wait: bool = True) -> None:
+    """Leave the process group (``destroy_process_group``), after a barrier unless ``wait`` is
+    False (a failing rank must not wait for ranks that may have died); back to ``SINGLE``."""
     global _current
     if dist.is_initialized():
-        dist.barrier()
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
     _current = SINGLE
 

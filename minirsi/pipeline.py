@@ -66,6 +66,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 import yaml
 
+from minirsi import distributed
 from minirsi.config import ConfigError, load_config, save_config, to_dict
 
 logger = logging.getLogger(__name__)
@@ -525,25 +526,25 @@ def run(cfg: RunConfig, run_dir: str | Path, runner: Runner | None = None, resum
             and the message gives the ``--resume`` command.
     """
     run_ = RunDir(run_dir)
-    _prepare_dir(cfg, run_, resume)
+    world = distributed.current()  # torchrun / accelerate: rank 0 owns the run directory
+    check_plan(cfg, world.size)
+    stages = plan(cfg)
+    kept = _on_main(world, lambda: (_prepare_dir(cfg, run_, resume), _drop_incomplete(run_, stages))[1])
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     runner = runner if runner is not None else RecipeRunner()
-    stages = plan(cfg)
-    kept = _drop_incomplete(run_, stages)
     if resume:
         logger.info("resuming %s: %d finished stages kept (%s)", run_.root, len(kept), ", ".join(kept) or "none")
-    writer = _tb_writer(run_) if tensorboard else None
+    writer = _tb_writer(run_) if tensorboard and world.is_main else None
     current = "setup"
     try:
-        runner.setup(cfg, run_)
-        for spec in _progress(stages):
+        _on_main(world, lambda: runner.setup(cfg, run_))
+        for spec in _progress(stages) if world.is_main else stages:
             current = spec.dirname
             if run_.done(spec) is None:
                 _train_stage(cfg, run_, runner, stages, spec, writer)
-            if spec.evaluate and run_.eval_done(spec) is None:
-                _eval_stage(cfg, run_, runner, spec)
-                write_results(run_, stages)
+            if spec.evaluate and run_.eval_done(spec) is None:  # rank 0 evaluates, the others wait
+                _on_main(world, lambda: (_eval_stage(cfg, run_, runner, spec), write_results(run_, stages)))
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise PipelineError(
@@ -556,7 +557,47 @@ def run(cfg: RunConfig, run_dir: str | Path, runner: Runner | None = None, resum
     finally:
         if writer is not None:
             writer.close()
-    return write_results(run_, stages)
+    return _on_main(world, lambda: write_results(run_, stages))
+
+
+def _on_main(world: distributed.World, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 (every rank at world size 1), its result or its exception on every
+    rank: a ConfigError on rank 0 stops all ranks instead of leaving them at a barrier."""
+    if world.size == 1:
+        return fn()
+    outcome: tuple[bool, Any] = (True, None)
+    if world.is_main:
+        try:
+            outcome = (True, fn())
+        except Exception as e:  # handed to every rank, raised there below
+            outcome = (False, e)
+    ok, value = world.broadcast(outcome)
+    if not ok:
+        raise value
+    return value
+
+
+def check_plan(cfg: RunConfig, world_size: int = 1) -> Any:
+    """Refuse a run the planner (minirsi.memplan) says will not fit: when ``scale.gpu_mem_gib``
+    is set, the per-GPU memory of actor + critic on ``world_size`` GPUs (or ``scale.gpus``)
+    must fit. Returns the plan (None when the config has no ``scale.gpu_mem_gib``)."""
+    from minirsi import memplan
+
+    if not cfg.scale.gpu_mem_gib:
+        return None
+    try:
+        shape = memplan.shape_of(cfg.base.model)
+    except ValueError:
+        from transformers import AutoConfig  # a hub id outside KNOWN_SHAPES: its config.json only
+
+        shape = memplan.ModelShape.from_config(AutoConfig.from_pretrained(cfg.base.model))
+    scale = dataclasses.replace(cfg.scale, lora=cfg.scale.lora or cfg.lora.enabled,
+                                tokens_per_step=cfg.scale.tokens_per_step or cfg.scale.seq_len * cfg.rpr1.episodes_per_step,
+                                kl_reference=cfg.scale.kl_reference or max(cfg.rpr1.kl_coef, cfg.rpr2.kl_coef) > 0)
+    result = memplan.plan(shape, scale, world_size if world_size > 1 else None)
+    if not result.fits:
+        raise ConfigError(memplan.fit_error(result))
+    return result
 
 
 def _failure(run_: RunDir, where: str, e: BaseException) -> str:
@@ -608,8 +649,6 @@ def _drop_incomplete(run_: RunDir, stages: Sequence[StageSpec]) -> list[str]:
 
 def _train_stage(cfg: RunConfig, run_: RunDir, runner: Runner, stages: Sequence[StageSpec],
                  spec: StageSpec, writer: Any) -> None:
-    out = run_.stage(spec)
-    out.mkdir(parents=True)
     src = {s.name: run_.stage(s) for s in stages}
     actor_dir = src[spec.actor_from] if spec.actor_from else None
     critic_dir = src[spec.critic_from] if spec.critic_from else None
@@ -623,6 +662,18 @@ def _train_stage(cfg: RunConfig, run_: RunDir, runner: Runner, stages: Sequence[
         load_rng(inputs.rng)  # a continuation goes on as if its source stage had run longer
     else:
         seed_everything(stage_seed(cfg.seed, spec.name))
+    world = distributed.current()
+    if not world.is_main:
+        # Every rank trains (same seeds, inputs, collectives); only rank 0 writes the stage
+        # directory. A rank's own writes (episode logs) go to a scratch directory, then away.
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix=f"minirsi-rank{world.rank}-") as scratch:
+            runner.train(cfg, run_, spec, inputs, Path(scratch), lambda step, metrics: None)
+        world.barrier()
+        return
+    out = run_.stage(spec)
+    out.mkdir(parents=True)
     logger.info("stage %s (%s) starts", spec.dirname, spec.label)
     t0 = time.time()
     stats = runner.train(cfg, run_, spec, inputs, out, MetricsLog(run_, spec, writer))
@@ -637,6 +688,7 @@ def _train_stage(cfg: RunConfig, run_: RunDir, runner: Runner, stages: Sequence[
               "wall_s": round(time.time() - t0, 2), "stats": {k: _jsonable(v) for k, v in (stats or {}).items()}}
     atomic_write_json(out / "DONE.json", record)  # last: the stage is finished once this exists
     logger.info("stage %s done in %.0f s", spec.dirname, record["wall_s"])
+    world.barrier()
 
 
 def _eval_stage(cfg: RunConfig, run_: RunDir, runner: Runner, spec: StageSpec) -> None:
@@ -763,6 +815,8 @@ class RecipeRunner:
         from minirsi.models import load_actor, save_actor
         from minirsi.pretrain import pretrain
 
+        if not distributed.current().is_main:
+            return {}  # Base is loaded or pretrained by rank 0 alone (it trains nothing sharded)
         if cfg.base.model:
             actor, tok = load_actor(cfg.base.model, device=cfg.device)
             save_actor(actor, tok, out / "actor")
@@ -790,17 +844,20 @@ class RecipeRunner:
              log: Callable[[int, dict], None]) -> dict:
         from minirsi import rsr
         from minirsi.episode import JsonlWriter
-        from minirsi.models import load_actor, save_actor
+        from minirsi.models import save_actor
 
-        actor, tok = load_actor(inputs.actor, device=cfg.device)
+        world = distributed.current()
+        actor, tok = self._actor(cfg, inputs.actor)
         stage_cfg = dataclasses.replace(getattr(cfg, spec.config_key), seed=stage_seed(cfg.seed, spec.name))
         optimizer = rsr.make_optimizer(actor, stage_cfg)
         with JsonlWriter(out / "episodes.jsonl") as writer:
             stats = rsr.run_rsr(actor, tok, self.tasks(cfg, run_, "train"), stage_cfg,
-                                _recording(self._rollout_fn(cfg, tok), writer),
-                                log_fn=lambda rec: log(0, rec), optimizer=optimizer)
-        save_actor(actor, tok, out / "actor")
-        torch.save({"actor": optimizer.state_dict()}, out / "optimizer.pt")
+                                world.rollout_fn(_recording(self._rollout_fn(cfg, tok), writer)),
+                                log_fn=lambda rec: log(0, rec), optimizer=optimizer, world=world)
+        world.save(actor, lambda plain: save_actor(plain, tok, out / "actor"))
+        state = world.optimizer_state(actor, optimizer)
+        if world.is_main:
+            torch.save({"actor": state}, out / "optimizer.pt")
         out_stats = stats.to_dict()
         (out / "rewrites.json").write_text(json.dumps(out_stats.pop("kept"), indent=1) + "\n")
         return out_stats
@@ -811,6 +868,15 @@ class RecipeRunner:
 
         rcfg = cfg.rollout if temperature is None else dataclasses.replace(cfg.rollout, temperature=temperature)
         return make_rollout_fn(tok, rcfg)
+
+    @staticmethod
+    def _actor(cfg: RunConfig, path: Path | None) -> tuple[Any, Any]:
+        """The stage's actor: loaded, with fresh LoRA adapters when ``lora.enabled``, sharded
+        over the ranks (minirsi.distributed; unchanged in one process)."""
+        from minirsi.models import load_actor
+
+        actor, tok = load_actor(path, lora=cfg.lora if cfg.lora.enabled else None, device=cfg.device)
+        return distributed.current().shard(actor), tok
 
     def _warmup(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
                 log: Callable[[int, dict], None]) -> dict:
@@ -824,22 +890,26 @@ class RecipeRunner:
         actor.eval().requires_grad_(False)  # the frozen RSR-1 actor
         seed = stage_seed(cfg.seed, spec.name)
         tasks = [t for t in self.tasks(cfg, run_, "train") for _ in range(cfg.warmup.samples_per_task)]
-        episodes = rollout.collect(tasks, HFSampler(actor, tok), tok, dataclasses.replace(cfg.rollout, seed=seed),
-                                   out / "episodes.jsonl")
+        world = distributed.current()
+        episodes = world.on_main(lambda: rollout.collect(tasks, HFSampler(actor, tok), tok,
+                                                         dataclasses.replace(cfg.rollout, seed=seed), out / "episodes.jsonl"))
         usable = [e for e in episodes if any(e.action_mask)]
         if not usable:
             raise RuntimeError("warm-up: no rollout produced an action; check the sandbox (minirsi task check)")
         rewards = score(usable, cfg.warmup.reward, self.scales(run_))
-        critic = build_critic(actor).to(cfg.device)
+        critic = world.shard(build_critic(actor).to(cfg.device))
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.warmup.lr_critic, weight_decay=0.0)
         wcfg = dataclasses.replace(cfg.rpr1, lr_critic=cfg.warmup.lr_critic, seed=seed)
-        evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=tok.pad_token_id or 0)
+        evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=tok.pad_token_id or 0,
+                            world=world)
         binary = sum(e.success for e in usable) / len(usable)
         for i, ev in enumerate(evs):
             log(i, {"phase": "warmup", "explained_variance": ev, "reward": sum(rewards) / len(rewards),
                     "binary_reward": binary})
-        save_critic(critic, out / "critic")
-        torch.save({"critic": optimizer.state_dict()}, out / "optimizer.pt")
+        world.save(critic, lambda plain: save_critic(plain, out / "critic"))
+        state = world.optimizer_state(critic, optimizer)
+        if world.is_main:
+            torch.save({"critic": state}, out / "optimizer.pt")
         return {"episodes": len(usable), "updates": len(evs), "ev_first": evs[0] if evs else None,
                 "ev_last": evs[-1] if evs else None, "binary_reward": binary}
 
@@ -850,8 +920,15 @@ class RecipeRunner:
         from minirsi.models import load_actor, save_actor
         from minirsi.rpr import make_optimizers, run_rpr
 
-        actor, tok = load_actor(inputs.actor, device=cfg.device)
+        import copy
+
+        world = distributed.current()
+        actor, tok = load_actor(inputs.actor, lora=cfg.lora if cfg.lora.enabled else None, device=cfg.device)
         critic = (load_critic(inputs.critic) if inputs.critic else build_critic(actor)).to(cfg.device)
+        ref_model = None  # run_rpr's default (a frozen copy, or the adapter-free LoRA actor) in one process
+        if world.size > 1 and getattr(cfg, spec.config_key).kl_coef > 0 and not cfg.lora.enabled:
+            ref_model = world.shard(copy.deepcopy(actor).eval().requires_grad_(False), keep_unsharded=False)
+        actor, critic = world.shard(actor), world.shard(critic)
         base_cfg = getattr(cfg, spec.config_key)
         offset = 0
         stage_cfg = dataclasses.replace(base_cfg, seed=stage_seed(cfg.seed, spec.name))
@@ -861,17 +938,19 @@ class RecipeRunner:
         optimizers = make_optimizers(actor, critic, stage_cfg)
         if inputs.optimizer is not None and inputs.optimizer.is_file():
             state = torch.load(inputs.optimizer, weights_only=False)
-            optimizers.actor.load_state_dict(state["actor"])
-            optimizers.critic.load_state_dict(state["critic"])
+            world.load_optimizer_state(actor, optimizers.actor, state["actor"])
+            world.load_optimizer_state(critic, optimizers.critic, state["critic"])
         with JsonlWriter(out / "episodes.jsonl") as writer:
-            rollout_fn = _recording(self._rollout_fn(cfg, tok, stage_cfg.temperature), writer)
+            rollout_fn = world.rollout_fn(_recording(self._rollout_fn(cfg, tok, stage_cfg.temperature), writer))
             history = run_rpr(actor, critic, tok, self.tasks(cfg, run_, "train"), stage_cfg, rollout_fn,
                               self.scales(run_), log_fn=lambda rec: log(offset + int(rec["step"]), rec),
-                              optimizers=optimizers)
-        save_actor(actor, tok, out / "actor")
-        save_critic(critic, out / "critic")
-        torch.save({"actor": optimizers.actor.state_dict(), "critic": optimizers.critic.state_dict()},
-                   out / "optimizer.pt")
+                              ref_model=ref_model, optimizers=optimizers, world=world)
+        world.save(actor, lambda plain: save_actor(plain, tok, out / "actor"))
+        world.save(critic, lambda plain: save_critic(plain, out / "critic"))
+        state = {"actor": world.optimizer_state(actor, optimizers.actor),
+                 "critic": world.optimizer_state(critic, optimizers.critic)}
+        if world.is_main:
+            torch.save(state, out / "optimizer.pt")
         joint = [h for h in history if h.get("phase") == "joint"] or history
         last = joint[-min(3, len(joint)):]
         return {"steps": len(history), "final_binary_reward": _avg(h["binary_reward"] for h in last),
@@ -944,7 +1023,13 @@ def cli(argv: Sequence[str] | None = None, command: str = "run") -> int:
             run_dir = Path(args.out) if args.out else Path("runs") / Path(preset).stem
         cfg = load_config(RunConfig, source, args.overrides)
         t0 = time.time()
-        results = run(cfg, run_dir, resume=bool(args.resume))
+        world = distributed.init(cfg.device)  # torchrun / accelerate launch: join the ranks
+        try:
+            results = run(cfg, run_dir, resume=bool(args.resume))
+        except BaseException:
+            distributed.shutdown(wait=False)  # the other ranks may be gone: no last barrier
+            raise
+        distributed.shutdown()  # destroy_process_group, after a last barrier
     except ConfigError as e:
         print(f"minirsi {command}: config error: {e}", file=sys.stderr)
         return 2
@@ -954,6 +1039,8 @@ def cli(argv: Sequence[str] | None = None, command: str = "run") -> int:
     except KeyboardInterrupt:
         print(f"\nminirsi {command}: interrupted; continue with `minirsi run --resume {run_dir}`", file=sys.stderr)
         return 130
+    if not world.is_main:
+        return 0  # rank 0 reports
     from minirsi import report
 
     print(report.results_table(results, k=cfg.eval.k, labels=report.stage_labels(run_dir, list(results))))

@@ -82,3 +82,78 @@ def test_two_process_updates_equal_one_process(tmp_path, lora):
         saved = torch.load(out.with_suffix(".state.pt"))
         one = AutoModelForCausalLM.from_pretrained(out.with_suffix(".ckpt")).state_dict()
         assert max_abs_diff(saved, {k: v for k, v in one.items() if k in saved}) == 0.0  # 1 process
+
+
+# ------------------------------------------------------------------------- the recipe under torchrun
+
+# The smoke preset, cut to seconds a stage: 4 training tasks, one RPR step per phase, 2 turns.
+# The Base is smoke's own, from the Base cache the recipe test fills (~5 min once when cold).
+CI_OVERRIDES = ["suites.train=4", "suites.core=4", "rsr1.samples_per_task=1", "rsr2.samples_per_task=1",
+                "rsr1.epochs=1", "rsr2.epochs=1", "rpr1.steps=1", "rpr2.steps=1", "rpr1.critic_calibration_updates=1",
+                "rpr2.critic_calibration_updates=0", "rpr1.episodes_per_step=4", "rpr2.episodes_per_step=4",
+                "rpr1.minibatch_size=4", "rpr2.minibatch_size=4", "rpr1.ppo_epochs=1", "rpr2.ppo_epochs=1",
+                "eval.k=1", "rollout.max_turns=2", "eval.rollout.max_turns=2"]
+
+
+def _check_run(run_dir: Path) -> dict:
+    from minirsi.critic import load_critic
+    from minirsi.models import load_actor
+
+    results = json.loads((run_dir / "results.json").read_text())
+    assert set(results) == {"base", "rpr2"}
+    assert 0.0 <= results["rpr2"]["core"]["mean_at_1"] <= 1.0 and results["rpr2"]["core"]["n_tasks"] == 4
+    stages = sorted((run_dir / "stages").iterdir())
+    assert [d.name for d in stages] == ["00-base", "01-rsr1", "02-warmup", "03-rpr1", "04-rsr2", "05-rpr2"]
+    assert all((d / "DONE.json").is_file() for d in stages)
+    load_actor(run_dir / "stages/05-rpr2/actor")  # gathered save_pretrained dirs: one process reads them
+    load_critic(run_dir / "stages/05-rpr2/critic")  # (checks the critic's fingerprint)
+    assert "optimizer.pt" in {p.name for p in (run_dir / "stages/03-rpr1").iterdir()}
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchrun_two_processes_run_the_smoke_recipe(tmp_path):
+    out = tmp_path / "run"
+    proc = torchrun("--no-python", "minirsi", "run", "--preset", "smoke", "--out", str(out), "--no-report",
+                    *CI_OVERRIDES, timeout=880)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_run(out)
+    assert proc.stdout.count("run dir:") == 1  # rank 0 alone reports
+    state = torch.load(out / "stages/03-rpr1/optimizer.pt", weights_only=False)
+    assert all(isinstance(k, str) for k in state["actor"]["state"])  # gathered, keyed by parameter name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("resume_nproc", [1, 2])
+def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python",
+           "minirsi", "run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        deadline = time.time() + 800
+        while not (out / "stages/02-warmup/DONE.json").exists() and job.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert (out / "stages/02-warmup/DONE.json").exists(), "the 2-process run never finished the warm-up"
+        os.killpg(job.pid, signal.SIGKILL)  # launcher and both ranks, mid-run
+        job.wait(30)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    done_before = (out / "stages/01-rsr1/DONE.json").read_text()
+    args = ["--no-python", "minirsi", "run", "--resume", str(out), "--no-report"]
+    if resume_nproc == 1:
+        proc = subprocess.run([sys.executable, "-m", "minirsi.cli", *args[2:]], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=800)
+    else:
+        proc = torchrun(*args, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_run(out)
+    assert (out / "stages/01-rsr1/DONE.json").read_text() == done_before  # finished stages are kept

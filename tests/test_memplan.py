@@ -124,3 +124,22 @@ def test_plan_cli_refuses_a_config_that_does_not_fit():
     proc = subprocess.run([sys.executable, "-m", "minirsi.cli", "plan", "--model", "Qwen/Qwen3-32B", "--gpus", "8",
                            "--gpu-mem-gib", "80", "--seq-len", "8192"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
+
+
+def test_run_refuses_a_config_the_planner_says_will_not_fit(tmp_path, capsys):
+    from minirsi import pipeline
+    from tiny import tiny_qwen
+
+    model_dir = tmp_path / "model"
+    tiny_qwen().config.save_pretrained(model_dir)  # the shape is all the planner reads
+    out = tmp_path / "run"
+    # 4096 tokens x 300 vocabulary x 14 bytes of logits alone are 16 MiB > 10 MiB
+    rc = pipeline.cli(["--preset", "smoke", "--out", str(out), f"base.model={model_dir}", "scale.gpus=1",
+                       "scale.gpu_mem_gib=0.01", "scale.reserve_gib=0", "scale.seq_len=4096"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit" in err and "Fix:" in err
+    assert not out.exists()  # refused before anything was written
+    ok = pipeline.check_plan(pipeline.load_config(pipeline.RunConfig, pipeline.resolve_preset("smoke"),
+                                                  [f"base.model={model_dir}", "scale.gpus=1", "scale.gpu_mem_gib=1",
+                                                   "scale.reserve_gib=0", "scale.seq_len=64"]))
+    assert ok.fits
