@@ -193,14 +193,10 @@ class LoraRecipe(LoraSettings):
 
     enabled: bool = False
     """Train the actor through LoRA adapters (the critic stays fully trained)."""
-    save: str = "merged"
-    """What a stage writes to actor/: "merged" (adapters folded in: any loader reads it) or
-    "adapter" (peft's adapter dir + the base id: small, needs the base to load)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.save not in ("merged", "adapter"):
-            raise ValueError(f"lora.save={self.save!r}: use merged or adapter")
+    save_adapter: bool = False
+    """Also write each stage's adapter alone to adapter/ (peft's format: small; what a LoRA
+    hot-load into vLLM reads). actor/ always holds the merged weights, which the next stage
+    starts from and any loader reads."""
 
 
 def attach_lora(model: PreTrainedModel, lora: LoraSettings) -> PreTrainedModel:

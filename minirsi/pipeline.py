@@ -844,7 +844,6 @@ class RecipeRunner:
              log: Callable[[int, dict], None]) -> dict:
         from minirsi import rsr
         from minirsi.episode import JsonlWriter
-        from minirsi.models import save_actor
 
         world = distributed.current()
         actor, tok = self._actor(cfg, inputs.actor)
@@ -854,7 +853,7 @@ class RecipeRunner:
             stats = rsr.run_rsr(actor, tok, self.tasks(cfg, run_, "train"), stage_cfg,
                                 world.rollout_fn(_recording(self._rollout_fn(cfg, tok), writer)),
                                 log_fn=lambda rec: log(0, rec), optimizer=optimizer, world=world)
-        world.save(actor, lambda plain: save_actor(plain, tok, out / "actor"))
+        self._save_actor(cfg, actor, tok, out)
         state = world.optimizer_state(actor, optimizer)
         if world.is_main:
             torch.save({"actor": state}, out / "optimizer.pt")
@@ -877,6 +876,18 @@ class RecipeRunner:
 
         actor, tok = load_actor(path, lora=cfg.lora if cfg.lora.enabled else None, device=cfg.device)
         return distributed.current().shard(actor), tok
+
+    @staticmethod
+    def _save_actor(cfg: RunConfig, actor: Any, tok: Any, out: Path) -> None:
+        """actor/ (LoRA merged in), and adapter/ alone when ``lora.save_adapter``; gathered to rank 0."""
+        from minirsi.models import save_actor
+
+        def save(plain: Any) -> None:
+            save_actor(plain, tok, out / "actor")
+            if cfg.lora.enabled and cfg.lora.save_adapter:
+                save_actor(plain, tok, out / "adapter", merge_lora=False)
+
+        distributed.current().save(actor, save)
 
     def _warmup(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
                 log: Callable[[int, dict], None]) -> dict:
@@ -917,7 +928,7 @@ class RecipeRunner:
              log: Callable[[int, dict], None]) -> dict:
         from minirsi.critic import build_critic, load_critic, save_critic
         from minirsi.episode import JsonlWriter
-        from minirsi.models import load_actor, save_actor
+        from minirsi.models import load_actor
         from minirsi.rpr import make_optimizers, run_rpr
 
         import copy
@@ -945,7 +956,7 @@ class RecipeRunner:
             history = run_rpr(actor, critic, tok, self.tasks(cfg, run_, "train"), stage_cfg, rollout_fn,
                               self.scales(run_), log_fn=lambda rec: log(offset + int(rec["step"]), rec),
                               ref_model=ref_model, optimizers=optimizers, world=world)
-        world.save(actor, lambda plain: save_actor(plain, tok, out / "actor"))
+        self._save_actor(cfg, actor, tok, out)
         world.save(critic, lambda plain: save_critic(plain, out / "critic"))
         state = {"actor": world.optimizer_state(actor, optimizers.actor),
                  "critic": world.optimizer_state(critic, optimizers.critic)}

@@ -157,3 +157,31 @@ def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_run(out)
     assert (out / "stages/01-rsr1/DONE.json").read_text() == done_before  # finished stages are kept
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_lora_recipe_option(tmp_path, nproc):
+    """lora.enabled: RSR and RPR train adapters (sharded like the full model under torchrun);
+    actor/ holds merged weights, adapter/ the adapter alone."""
+    out = tmp_path / "run"
+    args = ["--no-python", "minirsi", "run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES,
+            "lora.enabled=true", "lora.save_adapter=true", "lora.r=4", "rpr1.kl_coef=0.05"]
+    if nproc == 1:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-m", "minirsi.cli", *args[2:]], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=880)
+    else:
+        proc = torchrun(*args, timeout=880)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_run(out)
+    adapter = out / "stages/03-rpr1/adapter"
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").is_file()
+    # RPR-1 trained its adapters: its merged actor differs from RSR-1's
+    from minirsi.critic import fingerprint
+    from minirsi.models import load_actor
+
+    a, _ = load_actor(out / "stages/01-rsr1/actor")
+    b, _ = load_actor(out / "stages/03-rpr1/actor")
+    assert fingerprint(a) != fingerprint(b)
