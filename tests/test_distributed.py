@@ -26,6 +26,15 @@ def torchrun(*args: str, nproc: int = 2, timeout: int = 600) -> subprocess.Compl
                            str(nproc), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+def minirsi_run(args: list[str], nproc: int, timeout: int = 800) -> subprocess.CompletedProcess:
+    """``minirsi ARGS`` in one process, or under torchrun with ``nproc`` ranks."""
+    if nproc > 1:
+        return torchrun("--no-python", "minirsi", *args, nproc=nproc, timeout=timeout)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "minirsi.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def test_world_size_one_hooks_are_the_identity():
     batch = {"input_ids": torch.ones(3, 4, dtype=torch.long), "attention_mask": torch.ones(3, 4),
              "action_mask": torch.ones(3, 4)}
@@ -115,8 +124,7 @@ def _check_run(run_dir: Path) -> dict:
 @pytest.mark.timeout(900)
 def test_torchrun_two_processes_run_the_smoke_recipe(tmp_path):
     out = tmp_path / "run"
-    proc = torchrun("--no-python", "minirsi", "run", "--preset", "smoke", "--out", str(out), "--no-report",
-                    *CI_OVERRIDES, timeout=880)
+    proc = minirsi_run(["run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES], 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_run(out)
     assert proc.stdout.count("run dir:") == 1  # rank 0 alone reports
@@ -148,12 +156,7 @@ def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     done_before = (out / "stages/01-rsr1/DONE.json").read_text()
-    args = ["--no-python", "minirsi", "run", "--resume", str(out), "--no-report"]
-    if resume_nproc == 1:
-        proc = subprocess.run([sys.executable, "-m", "minirsi.cli", *args[2:]], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=800)
-    else:
-        proc = torchrun(*args, timeout=800)
+    proc = minirsi_run(["run", "--resume", str(out), "--no-report"], resume_nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_run(out)
     assert (out / "stages/01-rsr1/DONE.json").read_text() == done_before  # finished stages are kept
@@ -166,14 +169,8 @@ def test_lora_recipe_option(tmp_path, nproc):
     """lora.enabled: RSR and RPR train adapters (sharded like the full model under torchrun);
     actor/ holds merged weights, adapter/ the adapter alone."""
     out = tmp_path / "run"
-    args = ["--no-python", "minirsi", "run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES,
-            "lora.enabled=true", "lora.save_adapter=true", "lora.r=4", "rpr1.kl_coef=0.05"]
-    if nproc == 1:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, "-m", "minirsi.cli", *args[2:]], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=880)
-    else:
-        proc = torchrun(*args, timeout=880)
+    proc = minirsi_run(["run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES,
+                        "lora.enabled=true", "lora.save_adapter=true", "lora.r=4", "rpr1.kl_coef=0.05"], nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_run(out)
     adapter = out / "stages/03-rpr1/adapter"
