@@ -1,9 +1,21 @@
 """The critic: a value model carried from stage to stage, its loss, and its warm-up.
 
-METHOD.md section 5. The critic is a separate model, an LM backbone (the actor's transformer
-without its LM head) plus a scalar head, that reads the same token sequence as the actor and
-predicts at every position t a baseline V_t of the episode's reward. Only action positions
-matter: TB-GAE (minirsi/tb_gae.py) reads V at action tokens and skips observation tokens.
+METHOD.md sections 4 and 5. The critic is a separate model, an LM backbone (the actor's
+transformer without its LM head) plus a scalar head, that reads the same token sequence as the
+actor and predicts at every position t a baseline V_t of the episode's reward. Only action
+positions matter: TB-GAE (minirsi/tb_gae.py) reads V at action tokens and skips observation
+tokens.
+
+Alignment. V_t is the value of the state *before* token x_t is sampled, so it may depend on
+x_<t only. The actor scores x_t with the logits at position t-1; the critic reads V_t at the
+same place::
+
+    V_t = head(h_{t-1})   (t >= 1),    V_0 = 0   (position 0 is the prompt, never an action)
+
+where h is the backbone's last hidden state. ``head(h_t)`` would be Q(s_t, x_t): it has seen
+the action it is the baseline for, the advantage of a decisive token cancels, and PPO cannot
+learn even a one-token bandit (tests/test_learning.py; tutorials/06_value_alignment.py shows
+both curves).
 
 Value loss (clipped, PPO style; over action tokens only)::
 
@@ -22,8 +34,11 @@ Lifecycle (the "handoff"):
 
 * ``build_critic(actor)`` copies the actor's backbone weights and adds a zero-initialised head,
   so the first values are exactly 0 (our choice; the paper does not say how the head starts).
-* ``warmup_critic`` is the Warm-up Critic Model: one critic-only epoch over rollouts of the
-  frozen RSR-1 actor, before the first refine phase.
+  Every critic parameter trains, whatever the actor's ``requires_grad`` flags (a frozen actor
+  must never freeze the critic built from it).
+* ``warmup_critic`` is the Warm-up Critic Model: ``WarmupConfig.epochs`` (paper: 1) critic-only
+  epochs over rollouts of the frozen RSR-1 actor, backbone and head, before the first refine
+  phase. It has its own settings (``WarmupConfig``), not RPR-1's.
 * ``save_critic`` / ``load_critic`` carry it between stages; RSR stages never load it, so it
   leaves them bit-identical (``fingerprint`` is the hash a test compares).
 * Each refine phase starts with ``critic_calibration_updates`` critic-only updates; they are
@@ -32,7 +47,7 @@ Lifecycle (the "handoff"):
 Call it::
 
     critic = build_critic(actor)                      # or build_critic("runs/x/rsr1/actor")
-    evs = warmup_critic(critic, episodes, rewards, rpr_cfg)
+    evs = warmup_critic(critic, episodes, rewards, WarmupConfig())
     save_critic(critic, "runs/x/critic"); critic = load_critic("runs/x/critic")
 """
 
@@ -42,6 +57,7 @@ import copy
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -51,19 +67,69 @@ from torch import nn
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
 from minirsi.episode import Episode, collate
+from minirsi.tb_gae import tb_gae
 
-if TYPE_CHECKING:  # rpr imports this module; the config is only a type hint here
+if TYPE_CHECKING:  # distributed imports nothing from here at import time; a type hint only
     from minirsi.distributed import World
-    from minirsi.rpr import RPRConfig
 
 logger = logging.getLogger(__name__)
 
 CRITIC_FORMAT = "minirsi-critic"
-CRITIC_VERSION = 1
+CRITIC_VERSION = 2
+"""2: V_t = head(h_{t-1}), the value before token t. Version 1 read V_t = head(h_t) (it had seen
+x_t); its weights were trained for the wrong target, so ``load_critic`` refuses them."""
+
+
+@dataclass
+class WarmupConfig:
+    """The Warm-up Critic Model: critic-only training on rollouts of the frozen RSR-1 actor."""
+
+    samples_per_task: int = 1
+    """Rollouts of the frozen RSR-1 actor per training task (the epoch's data)."""
+    reward: str = "fdr"
+    """Reward the critic learns to predict: fdr or spr (RPR-1's reward in the paper: FDR)."""
+    epochs: int = 1
+    """Passes over the rollouts (paper: one epoch)."""
+    lr_critic: float = 1e-4
+    """Critic learning rate (AdamW) for the whole critic, backbone and head."""
+    gamma_turn: float = 1.0
+    """gamma_turn of the TB-GAE returns the critic regresses on; set it to RPR-1's, whose values
+    the critic will be."""
+    lam_turn: float = 0.95
+    """lambda_turn of those returns (RPR-1's, for the same reason)."""
+    value_clip: float = 0.0
+    """epsilon_v around V_old; 0 (default) is plain regression: with a frozen actor there is no
+    policy to keep the critic's targets consistent with."""
+    minibatch_size: int = 8
+    """Episodes per optimizer step."""
+    grad_accum: int = 1
+    """Micro-batches per minibatch (gradient accumulation, bounds memory)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    seed: int = 0
+    """Seeds the minibatch shuffle (the pipeline sets it from the run seed)."""
+
+    def __post_init__(self) -> None:
+        for name in ("samples_per_task", "epochs", "minibatch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warmup.{name}={getattr(self, name)}: use >= 1")
+        if self.grad_accum > self.minibatch_size:
+            raise ValueError(f"warmup.grad_accum={self.grad_accum} > minibatch_size={self.minibatch_size}; "
+                             "lower grad_accum")
+        for name in ("lr_critic", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"warmup.{name}={getattr(self, name)}: use a positive value, e.g. 1e-4")
+        for name in ("gamma_turn", "lam_turn"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"warmup.{name}={getattr(self, name)}: must be in [0, 1]")
+        if self.value_clip < 0:
+            raise ValueError(f"warmup.value_clip={self.value_clip}: use 0 (off) or a positive clip")
+        if self.reward not in ("fdr", "spr"):
+            raise ValueError(f"warmup.reward='{self.reward}': use fdr or spr")
 
 
 class ValueModel(nn.Module):
-    """LM backbone + scalar head: ``V = head(h_t)`` at every position.
+    """LM backbone + scalar head: ``V_t = head(h_{t-1})``, the value before token t.
 
     Args:
         backbone: a transformers base model (e.g. ``Qwen3Model``) whose output has
@@ -84,9 +150,11 @@ class ValueModel(nn.Module):
             self.head.bias.zero_()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, attention_mask: (B, T) -> values (B, T), float32."""
+        """input_ids, attention_mask: (B, T) -> values (B, T), float32; V_t depends on x_<t only
+        (the module docstring's alignment), V_0 = 0."""
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
-        return self.head(h.to(self.head.weight.dtype)).squeeze(-1).float()  # (B, T)
+        v = self.head(h[:, :-1].to(self.head.weight.dtype)).squeeze(-1).float()  # (B, T-1): v[:, t-1] = V_t
+        return torch.cat([v.new_zeros(v.shape[0], 1), v], dim=1)  # (B, T)
 
 
 def build_critic(
@@ -114,7 +182,8 @@ def build_critic(
     else:
         raise ValueError(f"build_critic: cannot build from {type(source).__name__}; pass a model, dir or config")
     backbone.float()
-    return ValueModel(backbone, backbone.config.hidden_size, head_init_std)
+    critic = ValueModel(backbone, backbone.config.hidden_size, head_init_std)
+    return critic.requires_grad_(True)  # a copy of a frozen actor carries its flags: drop them
 
 
 def save_critic(critic: ValueModel, out_dir: str | Path) -> Path:
@@ -125,7 +194,7 @@ def save_critic(critic: ValueModel, out_dir: str | Path) -> Path:
     critic.backbone.save_pretrained(out / "backbone", safe_serialization=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in critic.head.state_dict().items()},
               str(out / "value_head.safetensors"))
-    meta = {"format": CRITIC_FORMAT, "version": CRITIC_VERSION,
+    meta = {"format": CRITIC_FORMAT, "version": CRITIC_VERSION, "value_position": "t-1",
             "hidden_size": critic.head.in_features, "fingerprint": fingerprint(critic)}
     (out / "critic.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
@@ -138,6 +207,11 @@ def load_critic(path: str | Path) -> ValueModel:
     if not meta_path.is_file():
         raise ValueError(f"load_critic: {meta_path} not found; is {path} a directory written by save_critic?")
     meta = json.loads(meta_path.read_text())
+    if meta.get("format") == CRITIC_FORMAT and meta.get("version") == 1:
+        raise ValueError(f"load_critic: {meta_path} is a version-1 critic, whose value at token t had already "
+                         "seen token t; its weights do not estimate the value before the token. Fix: train a "
+                         "new critic (re-run the warm-up stage: delete the run's *-warmup directory and every "
+                         "stage after it, then `minirsi run --resume`)")
     if meta.get("format") != CRITIC_FORMAT or meta.get("version") != CRITIC_VERSION:
         raise ValueError(f"load_critic: {meta_path} has format {meta.get('format')} v{meta.get('version')}, "
                          f"expected {CRITIC_FORMAT} v{CRITIC_VERSION}")
@@ -216,21 +290,19 @@ def minibatches(
     n: int, minibatch_size: int, grad_accum: int, generator: torch.Generator,
     lengths: torch.Tensor | None = None,
 ) -> Iterator[list[torch.Tensor]]:
-    """Shuffle range(n) into minibatches of ``minibatch_size`` (the last may be smaller),
-    each split into up to ``grad_accum`` micro-batches of index tensors.
+    """A seeded random permutation of range(n) cut into minibatches of ``minibatch_size`` (the
+    last may be smaller), each split into up to ``grad_accum`` micro-batches of index tensors.
 
-    With ``lengths`` (n,), the shuffled indices are sorted by length (ties stay shuffled),
-    cut into minibatches of similar length, and the minibatches come in a random order:
-    a minibatch padded to its longest sequence then wastes little compute on padding
-    (random minibatches of the toy episodes, 79-501 tokens, were ~half padding)."""
+    Minibatches are uniformly random: grouping episodes by length would group them by outcome
+    (short episodes are mostly successes, long ones turn-limit failures), so each optimizer step
+    would see one-signed advantages. With ``lengths`` (n,), only the order *inside* a minibatch
+    is by length, so its micro-batches pad less; the minibatch, hence its gradient, is the same.
+    """
     perm = torch.randperm(n, generator=generator)
-    if lengths is not None:
-        perm = perm[torch.argsort(lengths[perm], descending=True, stable=True)]
-    starts = list(range(0, n, minibatch_size))
-    if lengths is not None:
-        starts = [starts[i] for i in torch.randperm(len(starts), generator=generator).tolist()]
-    for start in starts:
+    for start in range(0, n, minibatch_size):
         mb = perm[start:start + minibatch_size]
+        if lengths is not None:
+            mb = mb[torch.argsort(lengths[mb], descending=True, stable=True)]
         yield [c for c in torch.chunk(mb, min(grad_accum, len(mb)))]
 
 
@@ -275,27 +347,26 @@ def warmup_critic(
     critic: ValueModel,
     episodes: Sequence[Episode],
     rewards: Sequence[float],
-    cfg: "RPRConfig",
+    cfg: WarmupConfig,
     optimizer: torch.optim.Optimizer | None = None,
     pad_id: int = 0,
     world: "World | None" = None,
 ) -> list[float]:
-    """Warm-up Critic Model: one critic-only epoch over rollouts of a frozen actor.
+    """Warm-up Critic Model: ``cfg.epochs`` critic-only epochs over rollouts of a frozen actor.
 
-    The episodes are shuffled (``cfg.seed``) into minibatches of ``cfg.minibatch_size``; for
-    each, V_old = critic(x), (A, R) = TB-GAE(r, V_old) with ``cfg.gamma_turn`` /
+    Each epoch shuffles the episodes (``cfg.seed``) into minibatches of ``cfg.minibatch_size``;
+    for each, V_old = critic(x), (A, R) = TB-GAE(r, V_old) with ``cfg.gamma_turn`` /
     ``cfg.lam_turn``, then one optimizer step on L_V (``cfg.value_clip``, gradients accumulated
-    over ``cfg.grad_accum`` micro-batches, clipped to ``cfg.max_grad_norm``). The EV of V_old
-    against R is measured before each step, on sequences the critic has not yet trained on in
-    this epoch, so the list tracks how well the critic generalises as it learns. Sharded
-    (``world``): each rank trains on its rows of each micro-batch, with N all-reduced
+    over ``cfg.grad_accum`` micro-batches, clipped to ``cfg.max_grad_norm``) for every critic
+    parameter. The EV of V_old against R is measured before each step, on sequences the critic
+    has not yet trained on in this epoch, so the list tracks how well the critic generalises.
+    Sharded (``world``): each rank trains on its rows of each micro-batch, with N all-reduced
     (minirsi.distributed); V_old and the EV are computed on the whole minibatch by every rank.
 
     Returns:
         EV per update, in order.
     """
     from minirsi.distributed import SINGLE
-    from minirsi.tb_gae import tb_gae  # the "math" helper's module
 
     world = world or SINGLE
     if len(episodes) != len(rewards):
@@ -304,28 +375,30 @@ def warmup_critic(
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.lr_critic, weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed)
     device = critic.head.weight.device
+    lengths = torch.tensor([len(e.token_ids) for e in episodes])
     critic.train()
     evs = []
-    for micro in minibatches(len(episodes), cfg.minibatch_size, cfg.grad_accum, gen):
-        parts = []
-        for idx in micro:
-            b = collate([episodes[i] for i in idx], [rewards[i] for i in idx], pad_id=pad_id, device=device)
-            b["old_values"] = compute_values(critic, b, chunk=len(idx))
-            _, b["returns"] = tb_gae(b["rewards"], b["old_values"], b["action_mask"], b["turn_ids"],
-                                     cfg.gamma_turn, cfg.lam_turn)
-            parts.append(b)
-        n_tok = sum(b["action_mask"].sum() for b in parts).clamp(min=1)
-        r = torch.cat([b["returns"][b["action_mask"].bool()] for b in parts])  # (N,)
-        v = torch.cat([b["old_values"][b["action_mask"].bool()] for b in parts])  # (N,)
-        evs.append(explained_variance(r, v, torch.ones_like(r)))
-        if world.size > 1:  # train on this rank's rows, normalised by N / W (minirsi.distributed)
-            parts = [world.local(b) for b in parts]
-            n_tok = world.normalizer(sum(b["action_mask"].sum() for b in parts).clamp(min=1))
-        optimizer.zero_grad(set_to_none=True)
-        for b in parts:
-            v = critic(b["input_ids"], b["attention_mask"])
-            value_loss(v, b["old_values"], b["returns"], b["action_mask"], cfg.value_clip, n_tok).backward()
-        torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        logger.info("critic warm-up update %d: EV %.3f", len(evs), evs[-1])
+    for _ in range(cfg.epochs):
+        for micro in minibatches(len(episodes), cfg.minibatch_size, cfg.grad_accum, gen, lengths):
+            parts = []
+            for idx in micro:
+                b = collate([episodes[i] for i in idx], [rewards[i] for i in idx], pad_id=pad_id, device=device)
+                b["old_values"] = compute_values(critic, b, chunk=len(idx))
+                _, b["returns"] = tb_gae(b["rewards"], b["old_values"], b["action_mask"], b["turn_ids"],
+                                         cfg.gamma_turn, cfg.lam_turn)
+                parts.append(b)
+            n_tok = sum(b["action_mask"].sum() for b in parts).clamp(min=1)
+            r = torch.cat([b["returns"][b["action_mask"].bool()] for b in parts])  # (N,)
+            v = torch.cat([b["old_values"][b["action_mask"].bool()] for b in parts])  # (N,)
+            evs.append(explained_variance(r, v, torch.ones_like(r)))
+            if world.size > 1:  # train on this rank's rows, normalised by N / W (minirsi.distributed)
+                parts = [world.local(b) for b in parts]
+                n_tok = world.normalizer(sum(b["action_mask"].sum() for b in parts).clamp(min=1))
+            optimizer.zero_grad(set_to_none=True)
+            for b in parts:
+                v = critic(b["input_ids"], b["attention_mask"])
+                value_loss(v, b["old_values"], b["returns"], b["action_mask"], cfg.value_clip, n_tok).backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            logger.info("critic warm-up update %d: EV %.3f", len(evs), evs[-1])
     return evs

@@ -78,6 +78,7 @@ EVALUATED = ("base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr1_cont", 
 """Stages that can be evaluated (the warm-up trains only the critic)."""
 
 # Imported after the stdlib so a missing sibling module fails with its own name.
+from minirsi.critic import WarmupConfig  # noqa: E402
 from minirsi.memplan import ScaleConfig  # noqa: E402
 from minirsi.models import LoraRecipe  # noqa: E402
 from minirsi.pretrain import PretrainConfig  # noqa: E402
@@ -133,26 +134,6 @@ class BaseConfig:
     """When set, a pretrained Base is kept in ``cache_dir/<hash of the pretrain config>/`` and
     reused by later runs with the same pretrain config (the smoke preset sets it, so CI
     pretrains once); "" pretrains in every run."""
-
-
-@dataclass
-class WarmupConfig:
-    """The Warm-up Critic Model: one critic-only epoch on rollouts of the frozen RSR-1 actor."""
-
-    samples_per_task: int = 1
-    """Rollouts of the frozen RSR-1 actor per training task (the epoch's data)."""
-    lr_critic: float = 1e-4
-    """Critic learning rate during the warm-up (the paper's stages each have their own)."""
-    reward: str = "fdr"
-    """Reward the critic learns to predict: fdr or spr (RPR-1's reward in the paper: FDR)."""
-
-    def __post_init__(self) -> None:
-        if self.samples_per_task < 1:
-            raise ValueError(f"warmup.samples_per_task={self.samples_per_task}: use >= 1")
-        if not self.lr_critic > 0:
-            raise ValueError(f"warmup.lr_critic={self.lr_critic}: use a positive rate, e.g. 1e-4")
-        if self.reward not in ("fdr", "spr"):
-            raise ValueError(f"warmup.reward='{self.reward}': use fdr or spr")
 
 
 @dataclass
@@ -908,9 +889,10 @@ class RecipeRunner:
         if not usable:
             raise RuntimeError("warm-up: no rollout produced an action; check the sandbox (minirsi task check)")
         rewards = score(usable, cfg.warmup.reward, self.scales(run_))
+        # every critic parameter trains; the actor stays frozen
         critic = world.shard(build_critic(actor).to(cfg.device))
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.warmup.lr_critic, weight_decay=0.0)
-        wcfg = dataclasses.replace(cfg.rpr1, lr_critic=cfg.warmup.lr_critic, seed=seed)
+        wcfg = dataclasses.replace(cfg.warmup, seed=seed)
         evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=tok.pad_token_id or 0,
                             world=world)
         binary = sum(e.success for e in usable) / len(usable)

@@ -36,7 +36,8 @@ Choices the paper leaves open, ours:
 
 Metrics logged per update (one dict per step; formulas above): ``reward`` (the trained-on
 reward), ``dense_reward`` (mean FDR), ``binary_reward`` (mean S), ``turns``, ``kl_ref``,
-``approx_kl`` (k3 of pi_theta against logp_old, measured on each minibatch before its step),
+``approx_kl`` (k3 estimate of KL(pi_old || pi_theta) on the rollout's tokens, measured on each
+minibatch before its step),
 ``clip_frac`` (share of action tokens with |rho - 1| > eps), ``explained_variance`` (of V_old
 against R, minirsi.critic), ``entropy``, ``logprob_gap``, losses, gradient norms (before
 clipping), action tokens, seconds in rollout and in update.
@@ -62,6 +63,7 @@ from torch import nn
 from minirsi.critic import ValueModel, explained_variance, minibatches, trimmed, value_loss
 from minirsi.distributed import SINGLE, World
 from minirsi.episode import Episode, collate
+from minirsi.tb_gae import tb_gae
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ class RPRConfig:
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
     target_kl: float = 0.0
-    """Early stop: once a minibatch's approx_kl (k3 of pi_theta against logp_old, measured
+    """Early stop: once a minibatch's approx_kl (KL(pi_old || pi_theta), ``approx_kl``, measured
     before its update) exceeds ``target_kl``, the actor takes no more optimizer steps this RPR
     step (the critic's minibatches go on). 0 = off. Lets a stage use a larger ``lr_actor``
     without the policy running away from the rollouts it learns from."""
@@ -127,10 +129,6 @@ class RPRConfig:
     forward_chunk: int = 8
     """Sequences per no-grad forward pass (old log-probs, values, reference); the passes take
     the sequences longest first, each cut to its rows' longest length."""
-    group_by_length: bool = True
-    """Minibatches of episodes of similar length (in a random order), each cut to its longest
-    episode: on the toy recipe the PPO update ran on ~2x fewer tokens than with random
-    minibatches padded to the batch's longest episode. False: uniformly random minibatches."""
     seed: int = 0
     """Seeds task order, minibatch shuffles and rollouts."""
 
@@ -229,6 +227,25 @@ def kl_penalty(
     return masked_mean(torch.exp(d) - d - 1, m, normalizer)
 
 
+def approx_kl(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """k3 estimate of KL(pi_old || pi_theta) on tokens sampled from pi_old, token mean.
+
+    k3_t = (r_t - 1) - log r_t with r_t = pi_theta(a_t) / pi_old(a_t): unbiased because
+    E_old[r] = 1, never negative. The rollout's tokens come from pi_old, so this is the
+    direction the samples support. (``kl_penalty``'s form, exp(-log r) + log r - 1, is the
+    estimator for samples from pi_theta; on pi_old's samples its mean is chi^2 - KL, and a token
+    whose log-prob fell by 3 nats would count 16.1 instead of 2.05.) (B, T) inputs.
+    """
+    m = action_mask.bool()
+    log_r = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs))  # (B, T)
+    return masked_mean(torch.exp(log_r) - 1 - log_r, m, normalizer)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H(pi(. | x_<t)) = -sum_v p_v log p_v, (B, T, V) -> (B, T)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -304,8 +321,6 @@ def prepare_batch(
     when ``cfg.kl_coef > 0``, ``ref_logprobs``. Every rank gets the whole batch; ``world`` splits
     the no-grad passes' rows over the ranks (minirsi.distributed).
     """
-    from minirsi.tb_gae import tb_gae  # the "math" helper's module
-
     batch = collate(episodes, rewards, pad_id=pad_id, device=next(actor.parameters()).device)
     batch["sampler_logprobs"] = batch.pop("old_logprobs")
     was_training = actor.training
@@ -358,7 +373,7 @@ def ppo_update(
     gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
     actor.train()
     critic.train()
-    lengths = batch["attention_mask"].sum(1) if cfg.group_by_length else None
+    lengths = batch["attention_mask"].sum(1)  # orders micro-batches inside a (random) minibatch
     for _ in range(cfg.ppo_epochs):
         for micro in minibatches(mask_all.shape[0], cfg.minibatch_size, cfg.grad_accum, gen, lengths):
             # this rank's rows of each micro-batch, cut after their longest sequence (all rows at world size 1)
@@ -388,7 +403,7 @@ def ppo_update(
                 sums["entropy"] += float(l_h.detach()) * float(n_tok)
                 sums["kl_ref"] += float(l_kl.detach()) * float(n_tok)
                 sums["clip_frac"] += float(clip_frac) * w
-                kl = float(kl_penalty(logprobs.detach(), mb["old_logprobs"], m))
+                kl = float(approx_kl(logprobs.detach(), mb["old_logprobs"], m))
                 sums["approx_kl"] += kl * w
                 mb_kl, mb_w = mb_kl + kl * w, mb_w + w
                 seen += w

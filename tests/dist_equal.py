@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from minirsi import distributed  # noqa: E402
-from minirsi.critic import build_critic, warmup_critic  # noqa: E402
+from minirsi.critic import WarmupConfig, build_critic, warmup_critic  # noqa: E402
 from minirsi.distributed import SINGLE, max_abs_diff  # noqa: E402
 from minirsi.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
 from minirsi.rsr import RSRConfig, make_optimizer, sft  # noqa: E402
@@ -90,7 +90,7 @@ def main() -> None:
         result["sft_loss"] = max(abs(x - y) for x, y in zip(l1, l2))
 
     # -- critic warm-up update -----------------------------------------------------------------
-    wcfg = RPRConfig(minibatch_size=7, grad_accum=2, lr_critic=LR, seed=0)
+    wcfg = WarmupConfig(epochs=2, minibatch_size=4, grad_accum=2, value_clip=0.2, lr_critic=LR, seed=0)
     w1 = copy.deepcopy(critic)
     ev1 = warmup_critic(w1, episodes, rewards, wcfg)
     w2 = world.shard(copy.deepcopy(critic))

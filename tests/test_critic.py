@@ -1,8 +1,10 @@
-"""The critic: value loss and explained variance (hand-worked, masking), build / save / load
-(handoff), and the warm-up epoch raising explained variance on synthetic episodes."""
+"""The critic: value loss and explained variance (hand-worked, masking), the value's alignment
+(V_t never sees x_t), build / save / load (handoff, format version), and the warm-up: every
+critic parameter trains, no actor parameter moves, explained variance rises."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 from minirsi.critic import (
     ValueModel,
+    WarmupConfig,
     build_critic,
     explained_variance,
     fingerprint,
@@ -21,7 +24,6 @@ from minirsi.critic import (
     warmup_critic,
 )
 from minirsi.episode import Episode
-from minirsi.rpr import RPRConfig
 from tiny import VOCAB, tiny_qwen
 
 
@@ -88,6 +90,37 @@ def test_build_critic_copies_the_backbone_and_starts_at_zero():
     assert fingerprint(actor) == a0
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 11))
+def test_value_at_a_position_never_sees_that_token_or_later_ones(seed, t):
+    """METHOD.md section 4: V_t is the value before x_t is sampled. Changing x_t and everything
+    after it must leave V_0..V_t exactly as they were (and V_0 = 0: no context yet)."""
+    torch.manual_seed(seed)
+    critic = build_critic(tiny_qwen(seed=seed % 3), head_init_std=0.5)
+    ids = torch.randint(1, VOCAB, (2, 12))
+    changed = ids.clone()
+    changed[:, t:] = (ids[:, t:] + torch.randint(1, VOCAB - 1, ids[:, t:].shape)) % VOCAB  # every one differs
+    am = torch.ones_like(ids)
+    with torch.no_grad():
+        v, v2 = critic(ids, am), critic(changed, am)
+    assert torch.equal(v[:, : t + 1], v2[:, : t + 1])
+    assert torch.all(v[:, 0] == 0)
+    if t + 1 < 12:
+        assert not torch.equal(v[:, t + 1:], v2[:, t + 1:])  # V_{t+1} has seen x_t: it moves
+
+
+def test_a_version_1_critic_is_refused_with_the_fix(tmp_path):
+    critic = build_critic(tiny_qwen())
+    save_critic(critic, tmp_path / "critic")
+    meta_path = tmp_path / "critic" / "critic.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["version"] == 2 and meta["value_position"] == "t-1"
+    meta["version"] = 1
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="version-1 critic.*re-run the warm-up"):
+        load_critic(tmp_path / "critic")
+
+
 def test_save_load_roundtrip_is_bit_identical(tmp_path):
     critic = build_critic(tiny_qwen(), head_init_std=0.05)
     ids = torch.randint(1, VOCAB, (2, 9))
@@ -137,11 +170,37 @@ def learnable_episodes(n: int, seed: int) -> tuple[list[Episode], list[float]]:
     return eps, rewards
 
 
+def test_warmup_trains_every_critic_parameter_and_no_actor_parameter():
+    """METHOD.md section 5: the warm-up trains the whole critic (backbone and head) on rollouts
+    of a frozen actor. The pipeline freezes the actor with requires_grad_(False); a critic built
+    from it must not inherit that (the first version trained 65 of 93,377 parameters)."""
+    actor = tiny_qwen()
+    actor.eval().requires_grad_(False)
+    a0 = fingerprint(actor)
+    critic = build_critic(actor)
+    before = {k: v.clone() for k, v in critic.state_dict().items()}
+    episodes, rewards = learnable_episodes(24, seed=1)
+    warmup_critic(critic, episodes, rewards, WarmupConfig(minibatch_size=6, lr_critic=1e-3, seed=0))
+    assert fingerprint(actor) == a0
+    assert not any(p.requires_grad for p in actor.parameters())
+    unchanged = [k for k, v in critic.state_dict().items() if torch.equal(v, before[k])]
+    assert unchanged == [], unchanged
+
+
+def test_warmup_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="warmup.epochs=0"):
+        WarmupConfig(epochs=0)
+    with pytest.raises(ValueError, match="warmup.gamma_turn=1.5"):
+        WarmupConfig(gamma_turn=1.5)
+    with pytest.raises(ValueError, match="warmup.reward='x'"):
+        WarmupConfig(reward="x")
+
+
 def test_warmup_raises_explained_variance():
     episodes, rewards = learnable_episodes(96, seed=0)
     critic = build_critic(tiny_qwen())
-    cfg = RPRConfig(minibatch_size=6, grad_accum=2, lr_critic=3e-3, gamma_turn=1.0, lam_turn=0.95,
-                    value_clip=0.0, seed=0)
+    cfg = WarmupConfig(minibatch_size=6, grad_accum=2, lr_critic=3e-3, gamma_turn=1.0, lam_turn=0.95,
+                       value_clip=0.0, seed=0)
     evs = warmup_critic(critic, episodes, rewards, cfg)
     assert len(evs) == 16  # one update per minibatch, one epoch
     # zero head: V = 0 at the start, so EV starts at 0 (exactly: Var(R - 0) = Var(R))

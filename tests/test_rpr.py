@@ -17,6 +17,7 @@ from minirsi.critic import build_critic, fingerprint
 from minirsi.episode import Episode, collate
 from minirsi.rpr import (
     RPRConfig,
+    approx_kl,
     kl_penalty,
     make_optimizers,
     policy_forward,
@@ -300,21 +301,85 @@ def test_length_trimmed_forward_passes_equal_the_full_width_pass():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 8), st.integers(0, 10**6))
-def test_length_grouped_minibatches_cover_each_episode_once_in_length_bands(lengths, size, seed):
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 8), st.integers(1, 3),
+       st.integers(0, 10**6))
+def test_minibatches_cover_each_episode_once_with_micro_batches_by_length(lengths, size, accum, seed):
     from minirsi.critic import minibatches
 
     L = torch.tensor(lengths)
     gen = torch.Generator().manual_seed(seed)
-    groups = [torch.cat(micro) for micro in minibatches(len(lengths), size, 1, gen, L)]
-    seen = torch.cat(groups).tolist()
+    mbs = list(minibatches(len(lengths), size, accum, gen, L))
+    seen = torch.cat([torch.cat(micro) for micro in mbs]).tolist()
     assert sorted(seen) == list(range(len(lengths)))
-    assert all(len(g) <= size for g in groups)
-    # Bands: in descending order (by longest, then shortest member), each group's shortest is
-    # at least the next group's longest (equal lengths may straddle two groups).
-    bands = sorted(((int(L[g].min()), int(L[g].max())) for g in groups), key=lambda b: (-b[1], -b[0]))
-    for (lo, _), (_, hi_next) in zip(bands, bands[1:]):
-        assert lo >= hi_next
+    for micro in mbs:
+        flat = torch.cat(micro)
+        assert len(flat) <= size and len(micro) <= accum
+        assert L[flat].tolist() == sorted(L[flat].tolist(), reverse=True)  # only the inside is ordered
+
+
+def test_minibatches_are_random_not_grouped_by_length():
+    """Length-grouped minibatches are outcome-grouped on the shell tasks (short episodes are mostly
+    successes): every minibatch must be a uniform random draw, and each epoch a new one."""
+    from minirsi.critic import minibatches
+
+    L = torch.arange(1, 33)  # 32 episodes, every length different
+    gen = torch.Generator().manual_seed(0)
+    spans, partitions = [], set()
+    for _ in range(50):  # 50 epochs
+        mbs = [torch.cat(micro) for micro in minibatches(32, 8, 1, gen, L)]
+        spans += [int(L[mb].max() - L[mb].min()) for mb in mbs]
+        partitions.add(tuple(sorted(tuple(sorted(mb.tolist())) for mb in mbs)))
+    # A length band of 8 spans 7; 8 uniform draws from 1..32 span ~25 on average.
+    assert sum(spans) / len(spans) > 20
+    assert len(partitions) == 50
+
+
+def test_approx_kl_hand_worked():
+    # a token whose log-prob fell by 3 nats: r = e^-3, k3 = e^-3 - 1 + 3 = 2.0498 (the reversed
+    # estimator, e^3 - 3 - 1, would say 16.09); an unchanged token: 0; the masked one is ignored
+    lp = torch.tensor([[-4.0, -1.0, 7.0]])
+    old = torch.tensor([[-1.0, -1.0, -50.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0]])
+    assert approx_kl(lp, old, m).item() == pytest.approx((math.exp(-3) + 2) / 2)
+
+
+def test_approx_kl_estimates_the_exact_kl_of_two_categoricals():
+    """Tokens drawn from pi_old: the mean of approx_kl is KL(pi_old || pi_new) (exact sum), and
+    the reversed form (kl_penalty's, for samples from pi_new) is not."""
+    g = torch.Generator().manual_seed(0)
+    p_old = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    p_new = torch.tensor([0.1, 0.3, 0.3, 0.2, 0.1])
+    exact = float((p_old * (p_old / p_new).log()).sum())  # 0.5157
+    x = torch.multinomial(p_old, 400_000, replacement=True, generator=g)[None]  # (1, N)
+    lp_new, lp_old, m = p_new.log()[x], p_old.log()[x], torch.ones(x.shape)
+    assert approx_kl(lp_new, lp_old, m).item() == pytest.approx(exact, rel=0.02)
+    assert abs(kl_penalty(lp_new, lp_old, m).item() - exact) > 0.3  # chi^2 - KL: 1.268
+
+
+def test_target_kl_stops_at_the_first_minibatch_over_the_target():
+    """Constructed: the actor barely moves (lr 1e-9); the rows of the third minibatch carry old
+    log-probs 2 nats above the actor's (approx KL e^-2 + 1 = 1.135 there, 0 elsewhere). With
+    target 0.5 the actor takes exactly 2 steps; with 1.2 it takes all 4. The reversed estimator
+    (e^2 - 3 = 4.39) would stop at 1.2 too; at 1-nat shifts it would stop where KL = 0.37."""
+    from minirsi.critic import minibatches
+
+    actor = tiny_qwen()
+    critic = build_critic(actor)
+    batch = synthetic_batch(n=8, seed=4)
+    m = batch["action_mask"]
+    with torch.no_grad():
+        lp, _ = policy_forward(actor, batch["input_ids"], batch["attention_mask"], 1.0)
+    mbs = [torch.cat(micro) for micro in minibatches(8, 2, 1, torch.Generator().manual_seed(7),
+                                                     batch["attention_mask"].sum(1))]
+    shift = torch.zeros(8, 1)
+    shift[mbs[2]] = 2.0
+    batch["old_logprobs"] = (lp + shift) * m
+    runs = {}
+    for target in (0.5, 1.2, 0.3):
+        a, c = copy.deepcopy(actor), copy.deepcopy(critic)
+        cfg = _cfg(minibatch_size=2, lr_actor=1e-9, target_kl=target)
+        runs[target] = ppo_update(a, c, dict(batch), cfg, make_optimizers(a, c, cfg), seed=7)["actor_updates"]
+    assert runs == {0.5: 2, 1.2: 4, 0.3: 2}
 
 
 def test_kl_to_reference_is_zero_at_start_and_grows():

@@ -1,0 +1,127 @@
+"""The probe ladder on the toy shell tasks: does RPR raise a training pool's success?
+
+Rungs 1-2 (the bandits) are unit tests (tests/test_learning.py). This bench runs the rungs
+above them with the recipe's own code, ``critic.warmup_critic`` then ``rpr.run_rpr``, on a pool
+of toy tasks that grows rung by rung: one task sampled many times, a small pool, a larger
+pool, the whole training pool. Where a rung fails, the fault lies between it and the rung below.
+
+It prints the pool's success (S) per RPR step and the change from the calibration steps (the
+frozen actor) to the last ``--tail`` joint steps, and writes ``ladder.json`` and a plot.
+
+    python bench/ladder.py --actor RUN/01-rsr1/actor --tasks RUN/tasks/train --pool 4 --out /tmp/l4
+    python bench/ladder.py ... --select 0.2:0.5 --measure 8   # tasks the actor solves 20-50% of the time
+    python bench/ladder.py ... rpr1.lr_actor=5e-4 rpr1.steps=16  # toy-cpu preset overrides
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from minirsi import fdr
+from minirsi.config import load_config
+from minirsi.critic import build_critic, warmup_critic
+from minirsi.evaluate import load_suites
+from minirsi.models import load_actor
+from minirsi.pipeline import RunConfig, count_checks, resolve_preset
+from minirsi.rpr import make_rollout_fn, run_rpr, score
+
+
+def pick_pool(tasks: list, args: argparse.Namespace, rollout_fn, actor) -> tuple[list, dict[str, float]]:
+    """The first easy task of each family (``--select first-easy``), or the tasks whose measured
+    success over ``--measure`` samples lies in ``--select LO:HI``."""
+    if args.select == "first-easy":
+        seen, pool = set(), []
+        for t in tasks:
+            if t.difficulty == "easy" and t.family not in seen:
+                seen.add(t.family)
+                pool.append(t)
+        return pool[: args.pool], {}
+    lo, hi = (float(x) for x in args.select.split(":"))
+    eps = rollout_fn(actor, [t for t in tasks for _ in range(args.measure)], 12345)
+    rate: dict[str, float] = {}
+    for t in tasks:
+        mine = [e.success for e in eps if e.task_id == t.task_id]
+        rate[t.task_id] = sum(mine) / max(len(mine), 1)
+    pool = [t for t in tasks if lo <= rate[t.task_id] <= hi][: args.pool]
+    return pool, {t.task_id: rate[t.task_id] for t in pool}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--actor", required=True, help="actor checkpoint (e.g. a run's 01-rsr1/actor)")
+    ap.add_argument("--tasks", required=True, help="a folder of tasks (e.g. a run's tasks/train)")
+    ap.add_argument("--pool", type=int, default=4, help="tasks in the pool")
+    ap.add_argument("--select", default="first-easy", help="first-easy, or LO:HI measured success")
+    ap.add_argument("--measure", type=int, default=8, help="samples per task to measure success (LO:HI)")
+    ap.add_argument("--preset", default="toy-cpu", help="preset whose rollout / warmup / rpr1 settings apply")
+    ap.add_argument("--tail", type=int, default=4, help="joint steps averaged at the end")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="", help="folder for ladder.json and ladder.png")
+    ap.add_argument("overrides", nargs="*", help="preset overrides, e.g. rpr1.lr_actor=5e-4")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load_config(RunConfig, resolve_preset(args.preset), args.overrides)
+    root = Path(args.tasks)
+    tasks = load_suites(root.parent, [root.name])[root.name]
+    actor, tok = load_actor(args.actor)
+    rollout_fn = make_rollout_fn(tok, cfg.rollout, progress=False)
+    pool, measured = pick_pool(tasks, args, rollout_fn, actor)
+    if not pool:
+        print(f"no task of {root} matches --select {args.select}", file=sys.stderr)
+        return 1
+    counts: dict[str, list[int]] = {}
+    for t in tasks:
+        counts.setdefault(t.family, []).append(count_checks(t))
+    scales = fdr.calibrate(counts, quantile=cfg.fdr_quantile, fallback=cfg.fdr_fallback)
+    print(f"pool ({len(pool)}): {[t.task_id for t in pool]} {measured or ''}", flush=True)
+
+    t0 = time.time()
+    actor.eval().requires_grad_(False)
+    warm_eps = rollout_fn(actor, [t for t in pool for _ in range(max(1, 32 // len(pool)))], 777)
+    critic = build_critic(actor)
+    evs = warmup_critic(critic, warm_eps, score(warm_eps, cfg.warmup.reward, scales), cfg.warmup)
+    actor.requires_grad_(True)
+    print(f"warm-up: {len(warm_eps)} episodes, S {sum(e.success for e in warm_eps) / len(warm_eps):.2f}, "
+          f"EV {evs[0]:.2f} -> {evs[-1]:.2f}", flush=True)
+    rcfg = dataclasses.replace(cfg.rpr1, seed=cfg.seed)
+    history = run_rpr(actor, critic, tok, pool, rcfg, rollout_fn, scales,
+                      log_fn=lambda r: print(f"  step {r['step']:2d} {r['phase']:9s} S {r['binary_reward']:.2f} "
+                                             f"FDR {r['dense_reward']:.2f} EV {r['explained_variance']:+.2f} "
+                                             f"KL {r['approx_kl']:.3f} clip {r['clip_frac']:.2f} "
+                                             f"turns {r['turns']:.1f}", flush=True))
+    calib = [h["binary_reward"] for h in history if h["phase"] == "calibrate"] or [history[0]["binary_reward"]]
+    joint = [h["binary_reward"] for h in history if h["phase"] == "joint"]
+    start, end = sum(calib) / len(calib), sum(joint[-args.tail:]) / len(joint[-args.tail:])
+    print(f"pool success: {start:.2f} (calibration, frozen actor) -> {end:.2f} (last {args.tail} joint steps): "
+          f"{100 * (end - start):+.1f} points in {time.time() - t0:.0f} s")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ladder.json").write_text(json.dumps({"pool": [t.task_id for t in pool], "start": start,
+                                                     "end": end, "history": history}, indent=1) + "\n")
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([h["step"] for h in history], [h["binary_reward"] for h in history], marker="o")
+        ax.axvline(rcfg.critic_calibration_updates - 0.5, color="grey", ls=":", label="joint updates start")
+        ax.set(xlabel="RPR step", ylabel="pool success S", title=f"RPR on a pool of {len(pool)} toy tasks",
+               ylim=(0, 1))
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ladder.png", dpi=110)
+        print(f"wrote {out / 'ladder.json'} and {out / 'ladder.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
