@@ -140,22 +140,10 @@ class World:
         with the model's own code, ``save_pretrained`` and ``generate``)."""
         if self.size == 1:
             return model
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         if keep_unsharded and self.is_main:
-            shadow = copy.deepcopy(model).eval().requires_grad_(False)
-        cuda = str(self.device).startswith("cuda")
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
-        layers = decoder_layers(model)
-        if self.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-            kinds = tuple({type(m) for m in layers})
-            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, kinds))
-            layers = decoder_layers(model)
-        for layer in layers:
-            fully_shard(layer, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+            shadow = copy.deepcopy(model).eval().requires_grad_(False).to("cpu")  # host memory, not the GPU
+        fsdp2(model, bf16=str(self.device).startswith("cuda"), reshard_after_forward=self.reshard_after_forward,
+              activation_checkpointing=self.activation_checkpointing)
         if keep_unsharded and self.is_main:
             self.shadows[id(model)] = shadow
         return model
@@ -297,6 +285,27 @@ def shutdown(wait: bool = True) -> None:
             dist.barrier()
         dist.destroy_process_group()
     _current = SINGLE
+
+
+def fsdp2(model: nn.Module, bf16: bool, reshard_after_forward: bool = True,
+          activation_checkpointing: bool = False) -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root, over the default process group (in
+    place). ``bf16``: bf16 parameters in compute, fp32 gradient reduction (the GPU setting);
+    otherwise fp32 throughout. ``activation_checkpointing`` wraps each layer first."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    layers = decoder_layers(model)
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        kinds = tuple({type(m) for m in layers})
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, kinds))
+        layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

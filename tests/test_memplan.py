@@ -143,3 +143,17 @@ def test_run_refuses_a_config_the_planner_says_will_not_fit(tmp_path, capsys):
                                                   [f"base.model={model_dir}", "scale.gpus=1", "scale.gpu_mem_gib=1",
                                                    "scale.reserve_gib=0", "scale.seq_len=64"]))
     assert ok.fits
+
+
+def test_gpu_check_script_runs_to_its_cuda_check():
+    """scale/gpu_check.py imports everything it uses; without CUDA it says so and exits 1."""
+    proc = subprocess.run([sys.executable, "scale/gpu_check.py"], capture_output=True, text=True, cwd=ROOT)
+    if torch_cuda():
+        pytest.skip("a GPU is present: run the script itself (scale/README.md)")
+    assert proc.returncode == 1 and "no CUDA device" in proc.stderr, proc.stderr[-2000:]
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
