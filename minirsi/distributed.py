@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -54,6 +55,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -273,6 +276,8 @@ def init(device: str = "cpu") -> World:
     _current = World(rank=rank, size=size, device=device,
                      reshard_after_forward=flag("FSDP_RESHARD_AFTER_FORWARD", "true"),
                      activation_checkpointing=flag("FSDP_ACTIVATION_CHECKPOINTING", "false"))
+    if _current.is_main:
+        logger.info("FSDP2 over %d ranks (%s, %s)", size, dist.get_backend(), device)
     return _current
 
 

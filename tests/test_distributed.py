@@ -182,3 +182,20 @@ def test_lora_recipe_option(tmp_path, nproc):
     a, _ = load_actor(out / "stages/01-rsr1/actor")
     b, _ = load_actor(out / "stages/03-rpr1/actor")
     assert fingerprint(a) != fingerprint(b)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_accelerate_launch_two_cpu_processes(tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` starts 2 gloo ranks on a CPU machine
+    (``--cpu`` would start one); minirsi shards with fully_shard itself."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--main_process_port", "0", "-m", "minirsi.cli", "run", "--preset", "smoke", "--out",
+                           str(out), "--no-report", *CI_OVERRIDES],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "FSDP2 over 2 ranks (gloo, cpu)" in proc.stderr
+    _check_run(out)
