@@ -34,8 +34,11 @@ from minirsi.rpr import make_rollout_fn, run_rpr, score
 
 
 def pick_pool(tasks: list, args: argparse.Namespace, rollout_fn, actor) -> tuple[list, dict[str, float]]:
-    """The first easy task of each family (``--select first-easy``), or the tasks whose measured
+    """The first ``--pool`` tasks (``--select all``), the first easy task of each family
+    (``--select first-easy``), or the tasks whose measured
     success over ``--measure`` samples lies in ``--select LO:HI``."""
+    if args.select == "all":
+        return tasks[: args.pool], {}
     if args.select == "first-easy":
         seen, pool = set(), []
         for t in tasks:
@@ -58,7 +61,7 @@ def main() -> int:
     ap.add_argument("--actor", required=True, help="actor checkpoint (e.g. a run's 01-rsr1/actor)")
     ap.add_argument("--tasks", required=True, help="a folder of tasks (e.g. a run's tasks/train)")
     ap.add_argument("--pool", type=int, default=4, help="tasks in the pool")
-    ap.add_argument("--select", default="first-easy", help="first-easy, or LO:HI measured success")
+    ap.add_argument("--select", default="first-easy", help="first-easy, all (the first --pool tasks), or LO:HI measured success")
     ap.add_argument("--measure", type=int, default=8, help="samples per task to measure success (LO:HI)")
     ap.add_argument("--preset", default="toy-cpu", help="preset whose rollout / warmup / rpr1 settings apply")
     ap.add_argument("--tail", type=int, default=4, help="joint steps averaged at the end")
@@ -91,7 +94,15 @@ def main() -> int:
     print(f"warm-up: {len(warm_eps)} episodes, S {sum(e.success for e in warm_eps) / len(warm_eps):.2f}, "
           f"EV {evs[0]:.2f} -> {evs[-1]:.2f}", flush=True)
     rcfg = dataclasses.replace(cfg.rpr1, seed=cfg.seed)
-    history = run_rpr(actor, critic, tok, pool, rcfg, rollout_fn, scales,
+    per_task: dict[str, list[list[int]]] = {t.task_id: [] for t in pool}  # per step: successes of the task
+
+    def counted(model, tasks_, seed):
+        eps = rollout_fn(model, tasks_, seed)
+        for tid in per_task:
+            per_task[tid].append([int(e.success) for e in eps if e.task_id == tid])
+        return eps
+
+    history = run_rpr(actor, critic, tok, pool, rcfg, counted, scales,
                       log_fn=lambda r: print(f"  step {r['step']:2d} {r['phase']:9s} S {r['binary_reward']:.2f} "
                                              f"FDR {r['dense_reward']:.2f} EV {r['explained_variance']:+.2f} "
                                              f"KL {r['approx_kl']:.3f} clip {r['clip_frac']:.2f} "
@@ -101,11 +112,14 @@ def main() -> int:
     start, end = sum(calib) / len(calib), sum(joint[-args.tail:]) / len(joint[-args.tail:])
     print(f"pool success: {start:.2f} (calibration, frozen actor) -> {end:.2f} (last {args.tail} joint steps): "
           f"{100 * (end - start):+.1f} points in {time.time() - t0:.0f} s")
+    for tid, steps in per_task.items():
+        first, last = [x for s in steps[: rcfg.critic_calibration_updates] for x in s], [x for s in steps[-args.tail:] for x in s]
+        print(f"  {tid:32s} {sum(first) / max(len(first), 1):.2f} -> {sum(last) / max(len(last), 1):.2f}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "ladder.json").write_text(json.dumps({"pool": [t.task_id for t in pool], "start": start,
-                                                     "end": end, "history": history}, indent=1) + "\n")
+                                                     "end": end, "history": history, "per_task": per_task}, indent=1) + "\n")
         import matplotlib
 
         matplotlib.use("Agg")

@@ -16,9 +16,12 @@ The stage plan (``plan``), with where each stage's actor and critic come from::
     03-rpr1        RPR: actor RSR-1, critic Warm-up                  actor + critic
     04-rsr2        RSR on RPR-1; the critic passes through untouched
     05-rpr2        RPR: actor RSR-2, critic RPR-1 (inherited)        actor + critic
-    06-direct_ppo  baseline: RPR on Base with a fresh critic, RPR-1's steps and config
-    07-rpr1_cont   baseline: RPR-1 continued for more steps (its optimizer and RNG state)
-    08-rpr2_cont   baseline: RPR-2 continued
+    06-direct_ppo         baseline: RPR on Base with a fresh critic, RPR-1's steps and config
+    07-rpr2_critic_reset  ablation: RPR-2 with a fresh critic instead of RPR-1's (baselines.critic_reset)
+    08-rpr1_token_gae     ablation: RPR-1 with per-token GAE instead of TB-GAE (baselines.token_gae)
+    09-rpr1_cont          baseline: RPR-1 continued for more steps (its optimizer and RNG state)
+    10-rpr2_cont          baseline: RPR-2 continued
+(the numbers of the optional ones shift down when a branch before them is off)
 
 The run directory::
 
@@ -49,6 +52,7 @@ RPR-1's config (learning rates included) so that the comparison is at equal step
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import errno
 import hashlib
@@ -74,7 +78,8 @@ logger = logging.getLogger(__name__)
 PRESETS_DIR = Path(__file__).parent / "presets"
 SUITES = ("train", "core", "hard", "long", "unseen")
 """The toy suites: ``train`` is the training pool, the others are held out."""
-EVALUATED = ("base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr1_cont", "rpr2_cont")
+EVALUATED = ("base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr2_critic_reset", "rpr1_token_gae",
+             "rpr1_cont", "rpr2_cont")
 """Stages that can be evaluated (the warm-up trains only the critic)."""
 
 # Imported after the stdlib so a missing sibling module fails with its own name.
@@ -142,6 +147,12 @@ class BaselinesConfig:
 
     direct_ppo: bool = True
     """Direct PPO: RPR from Base with a fresh critic, RPR-1's config and number of steps."""
+    critic_reset: bool = False
+    """Ablation: RPR-2 from RSR-2 with a fresh critic (built from the actor, zero head) instead of
+    the inherited one; RPR-2's config and steps."""
+    token_gae: bool = False
+    """Ablation: RPR-1 from RSR-1 and the warmed-up critic with plain per-token GAE instead of
+    TB-GAE (``RPRConfig.advantage = "token_gae"``); RPR-1's config and steps."""
     continue_rpr1: int = 0
     """Extra RPR steps for a continuation branch of RPR-1 (0: no branch)."""
     continue_rpr2: int = 0
@@ -271,6 +282,8 @@ class StageSpec:
     """Attribute of RunConfig holding this stage's config (rsr1, rpr1, ...)."""
     extra_steps: int = 0
     """Continuation branches: RPR steps to add to the source stage."""
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """(field, value) pairs replaced in the stage's config (an ablation's one change)."""
     retained: bool = True
     """One of the paper's five retained stages (False: a baseline branch)."""
     evaluate: bool = True
@@ -302,6 +315,13 @@ def _plan_stages(cfg: RunConfig) -> list[StageSpec]:
     if b.direct_ppo:
         stages.append(StageSpec(len(stages), "direct_ppo", "rpr", "Direct PPO", actor_from="base",
                                 config_key="rpr1", retained=False))
+    if b.critic_reset:
+        stages.append(StageSpec(len(stages), "rpr2_critic_reset", "rpr", "RPR-2, critic reset", actor_from="rsr2",
+                                config_key="rpr2", retained=False))
+    if b.token_gae:
+        stages.append(StageSpec(len(stages), "rpr1_token_gae", "rpr", "RPR-1, per-token GAE", actor_from="rsr1",
+                                critic_from="warmup", config_key="rpr1", overrides=(("advantage", "token_gae"),),
+                                retained=False))
     for src, extra in (("rpr1", b.continue_rpr1), ("rpr2", b.continue_rpr2)):
         if extra > 0:
             steps = getattr(cfg, src).steps + extra
@@ -913,21 +933,19 @@ class RecipeRunner:
         from minirsi.models import load_actor
         from minirsi.rpr import make_optimizers, run_rpr
 
-        import copy
-
         world = distributed.current()
         actor, tok = load_actor(inputs.actor, lora=cfg.lora if cfg.lora.enabled else None, device=cfg.device)
         critic = (load_critic(inputs.critic) if inputs.critic else build_critic(actor)).to(cfg.device)
-        ref_model = None  # run_rpr's default (a frozen copy, or the adapter-free LoRA actor) in one process
-        if world.size > 1 and getattr(cfg, spec.config_key).kl_coef > 0 and not cfg.lora.enabled:
-            ref_model = world.shard(copy.deepcopy(actor).eval().requires_grad_(False), keep_unsharded=False)
-        actor, critic = world.shard(actor), world.shard(critic)
         base_cfg = getattr(cfg, spec.config_key)
         offset = 0
-        stage_cfg = dataclasses.replace(base_cfg, seed=stage_seed(cfg.seed, spec.name))
+        stage_cfg = dataclasses.replace(base_cfg, seed=stage_seed(cfg.seed, spec.name), **dict(spec.overrides))
         if spec.extra_steps:  # a continuation: the same phase, run longer (no second calibration)
             offset = base_cfg.critic_calibration_updates + base_cfg.steps
             stage_cfg = dataclasses.replace(stage_cfg, steps=spec.extra_steps, critic_calibration_updates=0)
+        ref_model = None  # run_rpr's default (a frozen copy, or the adapter-free LoRA actor) in one process
+        if world.size > 1 and stage_cfg.kl_coef > 0 and not cfg.lora.enabled:  # a sharded frozen copy
+            ref_model = world.shard(copy.deepcopy(actor).eval().requires_grad_(False), keep_unsharded=False)
+        actor, critic = world.shard(actor), world.shard(critic)
         optimizers = make_optimizers(actor, critic, stage_cfg)
         if inputs.optimizer is not None and inputs.optimizer.is_file():
             state = torch.load(inputs.optimizer, weights_only=False)

@@ -39,7 +39,8 @@ SIGNALS = (
     ("logprob_gap", "|logp_train - logp_sample|"),
 )
 DEFAULT_LABELS = {"base": "Base", "rsr1": "RSR-1", "rpr1": "RPR-1", "rsr2": "RSR-2", "rpr2": "RPR-2",
-                  "direct_ppo": "Direct PPO", "warmup": "Warm-up critic"}
+                  "direct_ppo": "Direct PPO", "rpr2_critic_reset": "RPR-2, critic reset",
+                  "rpr1_token_gae": "RPR-1, per-token GAE", "warmup": "Warm-up critic"}
 
 
 def _k_of(results: Mapping[str, Any]) -> int:

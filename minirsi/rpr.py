@@ -122,6 +122,12 @@ class RPRConfig:
     """Critic-only steps that open the phase (paper: 4), on fresh rollouts of the frozen actor."""
     reward: str = "spr"
     """Training reward: "fdr" (P / D_f) or "spr" (S + P / (P + D'_f)); METHOD.md section 2."""
+    advantage: str = "tb_gae"
+    """Advantage estimator. "tb_gae": TB-GAE (the method). "token_gae": the paper's ablation,
+    plain per-token GAE over the action tokens, every action token its own step with gamma 1 and
+    lambda = ``lam_turn`` per token (the usual LLM-PPO setting), so credit decays with the number
+    of tokens instead of turns. (Observation tokens are skipped in both, so the ablation isolates
+    the turn-level decay; our choice, the paper does not define its baseline further.)"""
     whiten_advantages: bool = True
     """Normalise A to zero mean, unit variance over the batch's action tokens."""
     temperature: float = 1.0
@@ -157,6 +163,9 @@ class RPRConfig:
                 raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be > 0")
         if self.reward not in ("fdr", "spr"):
             raise ValueError(f"RPRConfig.reward={self.reward!r}: use 'fdr' or 'spr'")
+        if self.advantage not in ("tb_gae", "token_gae"):
+            raise ValueError(f"RPRConfig.advantage={self.advantage!r}: use 'tb_gae' (the method) or 'token_gae' "
+                             "(the per-token GAE ablation)")
 
 
 class Optimizers(NamedTuple):
@@ -331,8 +340,13 @@ def prepare_batch(
         batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx, world)
     actor.train(was_training)
     batch["old_values"] = world.forward_rows(critic, batch, cfg.forward_chunk)  # V_old
-    advantages, returns = tb_gae(batch["rewards"], batch["old_values"], batch["action_mask"],
-                                 batch["turn_ids"], cfg.gamma_turn, cfg.lam_turn)
+    if cfg.advantage == "tb_gae":
+        advantages, returns = tb_gae(batch["rewards"], batch["old_values"], batch["action_mask"],
+                                     batch["turn_ids"], cfg.gamma_turn, cfg.lam_turn)
+    else:  # per-token GAE: every action token a step of its own (TB-GAE equals GAE in that case)
+        steps = batch["action_mask"].long().cumsum(1)  # (B, T), non-decreasing
+        advantages, returns = tb_gae(batch["rewards"], batch["old_values"], batch["action_mask"], steps,
+                                     1.0, cfg.lam_turn)
     batch["returns"] = returns
     batch["advantages"] = whiten(advantages, batch["action_mask"]) if cfg.whiten_advantages else advantages
     return batch

@@ -154,6 +154,18 @@ def test_plan_wires_actor_and_critic_as_the_paper_does():
     assert not stages["direct_ppo"].retained and stages["rpr2"].retained
 
 
+def test_the_ablations_change_one_thing_each():
+    stages = {s.name: s for s in plan(small_cfg("baselines.critic_reset=true", "baselines.token_gae=true"))}
+    reset, token = stages["rpr2_critic_reset"], stages["rpr1_token_gae"]
+    # critic reset: RPR-2's actor and config, a fresh critic instead of the inherited one
+    assert (reset.actor_from, reset.critic_from, reset.config_key, reset.overrides) == ("rsr2", None, "rpr2", ())
+    # per-token GAE: RPR-1's actor, critic and config, only the advantage estimator differs
+    assert (token.actor_from, token.critic_from, token.config_key) == ("rsr1", "warmup", "rpr1")
+    assert token.overrides == (("advantage", "token_gae"),)
+    assert not reset.retained and not token.retained
+    assert "rpr2_critic_reset" not in {s.name for s in plan(small_cfg())}  # off by default
+
+
 # -------------------------------------------------------------------------------- a full run
 
 

@@ -23,6 +23,7 @@ from minirsi.rpr import (
     policy_forward,
     policy_loss,
     ppo_update,
+    prepare_batch,
     run_rpr,
     whiten,
 )
@@ -421,6 +422,28 @@ def test_lora_actor_reference_is_the_adapter_free_base():
 
 
 # ----------------------------------------------------------------------------- config
+
+
+def test_token_gae_ablation_decays_per_action_token_tb_gae_per_turn():
+    """prompt (2) | turn 0: 2 action tokens | observation (3) | turn 1: 2 action tokens; reward 1
+    on the last; zero critic (V = 0), no whitening. TB-GAE (gamma_turn 1, lam_turn 0.5): A = 1 in
+    the last turn, 0.5 in the first. Per-token GAE (gamma 1, lam 0.5 a token, observation
+    skipped): A = 0.5^k with k the action tokens after t: 0.125, 0.25 | 0.5, 1."""
+    ep = Episode(task_id="t", family="f", difficulty="easy", token_ids=[5, 6, 7, 8, 9, 10, 11, 12, 13],
+                 logprobs=[None, None, -1.0, -1.0, None, None, None, -1.0, -1.0],
+                 action_mask=[0, 0, 1, 1, 0, 0, 0, 1, 1], turn_ids=[0, 0, 0, 0, 1, 1, 1, 1, 1], turns=2,
+                 success=True, passed=1, total=1)
+    actor = tiny_qwen()
+    critic = build_critic(actor)  # zero head: every value is 0
+    act = [2, 3, 7, 8]
+    got = {}
+    for kind in ("tb_gae", "token_gae"):
+        cfg = _cfg(gamma_turn=1.0, lam_turn=0.5, whiten_advantages=False, advantage=kind)
+        got[kind] = prepare_batch(actor, critic, [ep], [1.0], cfg)["advantages"][0, act].tolist()
+    assert got["tb_gae"] == pytest.approx([0.5, 0.5, 1.0, 1.0])
+    assert got["token_gae"] == pytest.approx([0.125, 0.25, 0.5, 1.0])
+    with pytest.raises(ValueError, match="advantage='gae'"):
+        RPRConfig(advantage="gae")
 
 
 def test_config_rejects_bad_values_with_fix(tmp_path):
