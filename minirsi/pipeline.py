@@ -586,6 +586,9 @@ def check_plan(cfg: RunConfig, world_size: int = 1) -> Any:
 
     if not cfg.scale.gpu_mem_gib:
         return None
+    if not cfg.base.model:
+        raise ConfigError("scale.gpu_mem_gib is set but base.model is empty: the planner needs the model; set "
+                          "base.model to a Hugging Face id or checkpoint dir, or scale.gpu_mem_gib=0 (no plan)")
     try:
         shape = memplan.shape_of(cfg.base.model)
     except ValueError:
