@@ -61,7 +61,8 @@ def main() -> None:
     a1, c1 = copy.deepcopy(actor), copy.deepcopy(critic)
     ref1 = None if lora else copy.deepcopy(actor).eval()
     batch = prepare_batch(a1, c1, episodes, rewards, cfg, ref_model=ref1)
-    m1 = ppo_update(a1, c1, batch, cfg, make_optimizers(a1, c1, cfg), ref1)
+    opt1 = make_optimizers(a1, c1, cfg)
+    m1 = ppo_update(a1, c1, batch, cfg, opt1, ref1)
     # -- PPO: sharded --------------------------------------------------------------------------
     a2, c2 = world.shard(copy.deepcopy(actor)), world.shard(copy.deepcopy(critic))
     batch2 = prepare_batch(a2, c2, episodes, rewards, cfg, world=world)
@@ -76,6 +77,17 @@ def main() -> None:
         result["ppo_old_values"] = float((batch["old_values"] - batch2["old_values"])[act].abs().max())
         result["ppo_metrics"] = max(abs(m1[k] - m2[k]) for k in ("policy_loss", "value_loss", "entropy",
                                                                   "approx_kl", "clip_frac", "kl_ref"))
+
+    # -- a one-process optimizer.pt (index-keyed) loaded into sharded optimizers, gathered back by name
+    a3 = world.shard(copy.deepcopy(a1), keep_unsharded=False)
+    opt3 = make_optimizers(a3, world.shard(copy.deepcopy(c1), keep_unsharded=False), cfg)
+    world.load_optimizer_state(a3, opt3.actor, opt1.actor.state_dict())
+    back = world.optimizer_state(a3, opt3.actor)
+    if world.is_main:
+        names = [n for n, p in a1.named_parameters() if p.requires_grad]
+        one = opt1.actor.state_dict()["state"]
+        result["optimizer_reload"] = max(float((one[i][k] - back["state"][n][k]).abs().max())
+                                         for i, n in enumerate(names) for k in ("exp_avg", "exp_avg_sq"))
 
     # -- RSR SFT step ---------------------------------------------------------------------------
     examples = [(e.token_ids, e.action_mask) for e in episodes]

@@ -81,6 +81,7 @@ def test_two_process_updates_equal_one_process(tmp_path, lora):
     assert r["world_size"] == 2
     for key in ("ppo_actor", "ppo_critic", "sft_actor", "warmup_critic", "ppo_old_logprobs", "ppo_old_values"):
         assert r[key] <= TOL, (key, r[key])
+    assert r["optimizer_reload"] == 0.0  # a one-process AdamW state, sharded and gathered back
     assert r["ppo_metrics"] <= 1e-5 and r["sft_loss"] <= 1e-5 and r["warmup_ev"] <= 1e-4  # EV of the 2nd epoch: from weights equal to ~1e-6
     # the update really moved the weights, by far more than the two runs differ
     assert r["ppo_actor_moved"] > 100 * max(r["ppo_actor"], 1e-7)
@@ -104,7 +105,7 @@ CI_OVERRIDES = ["suites.train=4", "suites.core=4", "rsr1.samples_per_task=1", "r
                 "eval.k=1", "rollout.max_turns=2", "eval.rollout.max_turns=2"]
 
 
-def _check_run(run_dir: Path) -> dict:
+def _check_run(run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     from minirsi.critic import load_critic
     from minirsi.models import load_actor
 
@@ -112,7 +113,7 @@ def _check_run(run_dir: Path) -> dict:
     assert set(results) == {"base", "rpr2"}
     assert 0.0 <= results["rpr2"]["core"]["mean_at_1"] <= 1.0 and results["rpr2"]["core"]["n_tasks"] == 4
     stages = sorted((run_dir / "stages").iterdir())
-    assert [d.name for d in stages] == ["00-base", "01-rsr1", "02-warmup", "03-rpr1", "04-rsr2", "05-rpr2"]
+    assert [d.name for d in stages] == ["00-base", "01-rsr1", "02-warmup", "03-rpr1", "04-rsr2", "05-rpr2", *extra]
     assert all((d / "DONE.json").is_file() for d in stages)
     load_actor(run_dir / "stages/05-rpr2/actor")  # gathered save_pretrained dirs: one process reads them
     load_critic(run_dir / "stages/05-rpr2/critic")  # (checks the critic's fingerprint)
@@ -124,9 +125,11 @@ def _check_run(run_dir: Path) -> dict:
 @pytest.mark.timeout(900)
 def test_torchrun_two_processes_run_the_smoke_recipe(tmp_path):
     out = tmp_path / "run"
-    proc = minirsi_run(["run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES], 2)
+    # with Direct PPO and a continuation of RPR-1 (it loads RPR-1's gathered optimizer state)
+    proc = minirsi_run(["run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES,
+                        "baselines.direct_ppo=true", "baselines.continue_rpr1=1"], 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _check_run(out)
+    _check_run(out, ("06-direct_ppo", "07-rpr1_cont"))
     assert proc.stdout.count("run dir:") == 1  # rank 0 alone reports
     state = torch.load(out / "stages/03-rpr1/optimizer.pt", weights_only=False)
     assert all(isinstance(k, str) for k in state["actor"]["state"])  # gathered, keyed by parameter name
