@@ -2,8 +2,8 @@
 
 Under ``torchrun --nproc_per_node W`` (or ``accelerate launch``) every rank runs the same
 pipeline. Nothing in tb_gae.py, rpr.py's losses, rsr.py's SFT step or critic.py's value loss
-changes; they receive a ``World`` and call four of its methods at the points where one process
-and W processes differ:
+changes; they receive a ``World`` and call its methods at the points where one process and W
+processes differ:
 
 * ``shard(model)``: FSDP2, ``fully_shard`` on each decoder layer (the model's
   ``_no_split_modules``), then on the root. Each rank holds 1/W of every parameter, gradient and
@@ -17,7 +17,7 @@ and W processes differ:
   collectives need every rank in every forward and backward.
 * ``normalizer(n_local)``: the loss normaliser. A minibatch's loss is a token mean,
   ``sum_t m_t l_t / N`` over all its action tokens. Rank r computes ``sum over its rows / N``
-  with N all-reduced (summed) over the ranks; FSDP's reduce-scatter then averages the W
+  would use N all-reduced (summed) over the ranks; FSDP's reduce-scatter averages the W
   gradients, so each rank divides by ``N / W`` instead of N::
 
       (1/W) sum_r grad(sum_{t in r} l_t) / (N / W) = grad(sum_t l_t) / N
@@ -25,13 +25,16 @@ and W processes differ:
   which is the one-process gradient (up to float summation order). Gloo cannot rescale inside
   the reduce-scatter (PREMUL_SUM), hence the divisor, not a divide factor.
 * ``all_sum(x)``: metric sums and the target-KL test, so every rank logs and decides alike.
+* ``forward_rows(fn, batch, chunk)``: the no-grad passes before an update (logp_old, V_old, the
+  reference), each rank on its rows, all-gathered.
 
 At world size 1 (``SINGLE``) each is the identity: ``local`` returns the batch it is given,
 ``normalizer`` its argument, ``shard`` the model untouched, and the code path is the
 one-process one, bit for bit.
 
-Rollouts, the RSR planner and evaluation run on rank 0 with an unsharded copy of the weights
-(``unsharded``), refreshed from the shards before each use, and their results are broadcast:
+Rollouts and the RSR planner run on rank 0 with an unsharded copy of the weights (``unsharded``),
+refreshed from the shards before each use, and their results are broadcast (evaluation runs on
+rank 0 from the saved checkpoint):
 at scale the sampler is a vLLM server fleet with one client, and a single collector keeps the
 episodes, hence the update, identical to a one-process run with the same seeds. Checkpoints are
 gathered to full state dicts and written by rank 0 with ``save_pretrained``, so they load at any
