@@ -173,7 +173,13 @@ class World:
         if not self.is_main:
             return None
         shadow = self.shadows[id(model)]
-        shadow.load_state_dict({_plain_key(k): v for k, v in state.items()}, strict=False)
+        result = shadow.load_state_dict({_plain_key(k): v for k, v in state.items()}, strict=False)
+        own = shadow.state_dict()
+        loaded = {own[k].data_ptr() for k in own if k not in result.missing_keys}
+        stale = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]  # tied weights came along
+        if result.unexpected_keys or stale:
+            raise RuntimeError(f"unsharded copy out of step with the shards: missing {stale[:3]}, "
+                               f"unexpected {result.unexpected_keys[:3]}")
         return shadow
 
     def save(self, model: nn.Module, save_fn: Callable[[nn.Module], Any]) -> None:
