@@ -48,7 +48,8 @@ reward), ``dense_reward`` (mean FDR), ``binary_reward`` (mean S), ``turns``, ``k
 minibatch before its step),
 ``clip_frac`` (share of action tokens with |rho - 1| > eps), ``explained_variance`` (of V_old
 against R, minirsi.critic), ``entropy``, ``logprob_gap``, losses, gradient norms (before
-clipping), action tokens, seconds in rollout and in update.
+clipping), action tokens, seconds in rollout and in update; with TIS ``tis_capped_frac``; with
+an ``after_actor_update`` hook its metrics (the weight sync's ``sync_s``, ``sync_bytes``, ...).
 
 Call it::
 

@@ -216,6 +216,16 @@ def test_a_server_that_cannot_reload_stops_the_sync_naming_it(servers, model, to
         WeightSync(OpenAISampler([a.url, b.url], "policy"), tmp_path / "w2", retries=0)(copy.deepcopy(model))
 
 
+def test_verify_catches_a_server_that_answers_the_reload_but_keeps_old_weights(servers, model, tok, tmp_path):
+    a, b = servers(2)
+    b.collective_rpc = lambda body: {"results": [None]}  # says yes, loads nothing
+    actor = copy.deepcopy(model)
+    _perturb(actor.parameters(), seed=9)
+    sync = WeightSync(OpenAISampler([a.url, b.url], "policy"), tmp_path / "w", verify_tol=TOL, probe_ids=_probe(tok))
+    with pytest.raises(WeightSyncError, match=f"server {b.url} answered the reload.*not serving the new weights"):
+        sync(actor)
+
+
 def test_servers_the_sampler_reported_dead_are_left_out_loudly(servers, model, tok, tmp_path, caplog):
     a, b = servers(2)
     sampler = OpenAISampler([a.url, b.url], "policy", max_retries=0)
