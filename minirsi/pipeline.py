@@ -7,6 +7,8 @@ each stage with its own learning rates, and evaluates every stage on every suite
     minirsi run --preset smoke --out runs/ci      # the CI-sized run
     minirsi run rpr1.lr_actor=5e-4 baselines.continue_rpr1=4     # key=value overrides
     minirsi run --resume runs/toy-cpu             # continue an interrupted run
+    minirsi run serving.servers=[http://h1:8000,http://h2:8000]  # RPR samples on vLLM servers,
+                                                  # synced after every update (scale/README.md)
 
 The stage plan (``plan``), with where each stage's actor and critic come from::
 
