@@ -522,7 +522,10 @@ class OpenAISampler:
     observation; new prompts go to the server with the fewest prompts in this call. A kept
     context is used once (an episode has one next turn); ``clear_cache()`` forgets them all
     (``rollout.collect`` calls it at its start and end). With a ``seed``, server i is sent
-    ``seed + i``, so that two servers given the same prompt do not draw the same ids.
+    ``seed + i``, so that two servers given the same prompt do not draw the same ids, and a
+    prompt repeated in one call (a task sampled k times) goes out in k requests with their own
+    seeds: vLLM seeds each prompt of a request alike, so repeats in one request would draw the
+    same reply.
 
     A server that stops answering (after ``max_retries``) is reported by its URL, logged, and
     never used again by this sampler; then ``on_server_failure`` decides: ``"fail"`` raises
@@ -636,33 +639,52 @@ class OpenAISampler:
     def _send(self, by_server: dict[str, list[int]], prompts: list[list[int]], out: list[Sample | None],
               served: dict[int, str], max_new_tokens: int, temperature: float, stop_token_ids: list[int],
               seed: int | None) -> list[int]:
-        """One request per server, concurrently; fills ``out``; returns the prompts still to do."""
+        """One request per server, concurrently; fills ``out``; returns the prompts still to do.
+
+        With a seed, a request never holds the same prompt twice (repeats go to further
+        requests, each with its own seed): vLLM seeds every prompt of a request alike, so
+        repeats of one prompt in one request would draw the same reply."""
         from concurrent.futures import ThreadPoolExecutor
 
-        def call(server: str, idx: list[int]) -> list[Sample]:
-            s = None if seed is None else int(seed) + self.servers.index(server)
+        jobs: list[tuple[str, list[int], int | None]] = []  # (server, prompt indices, seed)
+        for server, idx in by_server.items():
+            rounds: list[list[int]] = []
+            if seed is None:
+                rounds = [idx]
+            else:
+                seen: dict[tuple[int, ...], int] = {}
+                for i in idx:
+                    k = seen[tuple(prompts[i])] = seen.get(tuple(prompts[i]), -1) + 1
+                    if k == len(rounds):
+                        rounds.append([])
+                    rounds[k].append(i)
+            for r, part in enumerate(rounds):
+                s = None if seed is None else int(seed) + self.servers.index(server) + 1_000_003 * r
+                jobs.append((server, part, s))
+
+        def call(server: str, idx: list[int], s: int | None) -> list[Sample]:
             return self._complete(server, [prompts[i] for i in idx], max_new_tokens, temperature, stop_token_ids, s)
 
-        with ThreadPoolExecutor(len(by_server), thread_name_prefix="openai-sampler") as pool:
-            futures = {server: pool.submit(call, server, idx) for server, idx in by_server.items()}
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="openai-sampler") as pool:
+            futures = [(server, idx, pool.submit(call, server, idx, s)) for server, idx, s in jobs]
         failed: list[int] = []
-        errors = []
-        for server, fut in futures.items():
+        errors: dict[str, ServerDown] = {}
+        for server, idx, fut in futures:
             try:
                 samples = fut.result()
             except ServerDown as e:
-                self.down[server] = str(e)
-                logger.error("server %s stopped answering (%d prompts on it): %s", server, len(by_server[server]), e)
-                failed += by_server[server]
-                errors.append(e)
+                errors.setdefault(server, e)
+                failed += idx
                 continue
-            for i, s in zip(by_server[server], samples):
-                out[i], served[i] = s, server
+            for i, smp in zip(idx, samples):
+                out[i], served[i] = smp, server
+        for server, e in errors.items():
+            self.down[server] = str(e)
+            logger.error("server %s stopped answering (%d prompts on it): %s", server, len(by_server[server]), e)
         if errors and self.on_server_failure == "fail":
-            names = ", ".join(e.server for e in errors)
-            raise ServerDown(errors[0].server, f"server {names} stopped answering ({len(failed)} prompts were on it; "
-                             "on_server_failure='retry' would move them to the servers still up): "
-                             + "; ".join(str(e) for e in errors))
+            raise ServerDown(next(iter(errors)), f"server {', '.join(errors)} stopped answering ({len(failed)} prompts "
+                             "were on it; on_server_failure='retry' would move them to the servers still up): "
+                             + "; ".join(str(e) for e in errors.values()))
         if errors:
             logger.warning("moving %d prompts to the servers still up: %s", len(failed), self.live_servers)
         return failed

@@ -97,6 +97,34 @@ def test_seeds_differ_between_servers(servers, tok):
     assert s[0].token_ids != s[1].token_ids  # same prompt, same call seed, one on each server
 
 
+class _PerPromptSeeds:
+    """A sampler that, like vLLM, seeds every prompt of a request alike: repeats of one prompt
+    in one request would come back identical."""
+
+    def __init__(self, inner: HFSampler):
+        self.inner, self.model, self.requests = inner, inner.model, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seed=None):
+        self.requests += 1
+        return [self.inner.generate([p], max_new_tokens, temperature, stop_token_ids, seed=seed)[0] for p in prompts]
+
+
+def test_repeated_prompts_get_their_own_seeds(model, tok):
+    srv = CompletionServer(_PerPromptSeeds(HFSampler(copy.deepcopy(model), tok)), tok, "policy", "127.0.0.1", 0)
+    start_in_thread(srv)
+    try:
+        p, q = _probe(tok), tok.encode("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False)
+        out = OpenAISampler([srv.url], "policy", max_retries=0).generate([p, q, p, p], 12, 1.0, [], seed=4)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert len({tuple(out[i].token_ids) for i in (0, 2, 3)}) == 3  # three copies, three draws
+    assert srv.sampler.requests == 3  # [p, q], [p], [p]: no request holds a prompt twice
+
+
 class _Killer(Sandboxes):
     """Sandboxes that stop ``victim`` (a callable) when the ``at``-th sandbox opens: new episodes
     are admitted only after earlier ones finished, so some are complete by then."""
