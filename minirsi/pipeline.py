@@ -604,7 +604,9 @@ def _prepare_dir(cfg: RunConfig, run_: RunDir, resume: bool) -> None:
         if not run_.config.is_file():
             raise ConfigError(f"--resume {run_.root}: no config.yaml there, so it is not a minirsi run "
                               f"directory; start a new run with --out {run_.root}")
-        saved = yaml.safe_load(run_.config.read_text())
+        # Through load_config, so a field added since the run started reads as its default on both
+        # sides (a run from before serving.* or rpr*.tis_cap existed still resumes).
+        saved = to_dict(load_config(RunConfig, run_.config))
         diff = config_diff(saved, now)
         if diff:
             raise ConfigError(

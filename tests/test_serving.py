@@ -452,3 +452,21 @@ def test_pipeline_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_pat
     ids = _probe(tok_)
     for p in (a, b):
         assert _gap(server_prompt_logprobs(p.url, "policy", ids), _trainer_logprobs(final, ids)) <= TOL
+
+
+def test_a_run_started_before_the_serving_fields_still_resumes(tmp_path):
+    import yaml
+
+    from minirsi import pipeline
+    from test_pipeline import FakeRunner, SimulatedKill, run_fake, small_cfg
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(SimulatedKill):
+        run_fake(small_cfg(), run_dir, FakeRunner(kill_in="rsr1"))
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["serving"], saved["rpr1"]["tis_cap"], saved["rpr2"]["tis_cap"]  # as an older run wrote it
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    results = run_fake(small_cfg(), run_dir, FakeRunner(), resume=True)
+    assert "rpr2" in results
+    with pytest.raises(pipeline.ConfigError, match="serving.on_server_failure"):  # a real difference still is one
+        run_fake(small_cfg("serving.on_server_failure=retry"), run_dir, FakeRunner(), resume=True)
