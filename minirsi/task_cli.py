@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from minirsi.sandbox import BACKENDS, Sandbox, SandboxError, open_sandbox
+from minirsi.sandbox import BACKENDS, CommandResult, Sandbox, SandboxError, open_sandbox
 from minirsi.tasks import Task, TaskError, load_tasks
 from minirsi.verifier import VerifierResult, verify
 
@@ -50,10 +50,11 @@ def upload(sandbox: Sandbox, files: dict[str, Path], timeout: float = 60.0) -> N
         sandbox.run(f"chmod {oct(path.stat().st_mode & 0o777)[2:]} {target}", timeout)
 
 
-def run_oracle(task: Task, backend: str = "bwrap") -> VerifierResult:
+def oracle_run(task: Task, backend: str = "bwrap") -> tuple[VerifierResult, CommandResult | None]:
+    """Run the oracle, then the verifier: (verifier result, the oracle command's result)."""
     solution = task.solution_script
     if not solution.is_file():
-        return VerifierResult(False, 0, 0, {}, "", f"no oracle: {solution} is missing")
+        return VerifierResult(False, 0, 0, {}, "", f"no oracle: {solution} is missing"), None
     root = solution.parent
     files = {f"/tmp/solution/{p.relative_to(root).as_posix()}": p
              for p in (root.rglob("*") if task.layout == "harbor" else [solution]) if p.is_file()}
@@ -63,7 +64,11 @@ def run_oracle(task: Task, backend: str = "bwrap") -> VerifierResult:
         result = verify(sb, task)
     if r.timed_out:
         result.error = f"oracle timed out after {task.agent_timeout_sec:.0f}s; {result.error or ''}"
-    return result
+    return result, r
+
+
+def run_oracle(task: Task, backend: str = "bwrap") -> VerifierResult:
+    return oracle_run(task, backend)[0]
 
 
 def run_empty(task: Task, backend: str = "bwrap") -> VerifierResult:
@@ -77,48 +82,193 @@ class CheckRow:
     oracle: VerifierResult | None
     empty: VerifierResult | None
     error: str | None = None
+    oracle_cmd: CommandResult | None = None
+    """The oracle command itself (solve.sh): its exit status and output."""
+    notes: tuple[str, ...] = ()
+    """How the local layer differs from the task's image (Dockerfile FROM mapping)."""
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.oracle is not None and self.oracle.success and self.empty is not None and not self.empty.success
 
+    def reasons(self) -> list[str]:
+        """Why the row is a FAIL, one line each (empty when ok)."""
+        if self.ok:
+            return []
+        if self.error:
+            return [self.error]
+        out = []
+        if self.oracle is not None and not self.oracle.success:
+            cmd = self.oracle_cmd
+            status = "timed out" if cmd is not None and cmd.timed_out else (f"exited {cmd.exit_code}" if cmd else "did not run")
+            out.append(f"oracle {status}; verifier: S=0 {self.oracle.passed}/{self.oracle.total}"
+                       + (f" ({self.oracle.error})" if self.oracle.error else ""))
+            failing = failing_checks(self.oracle)
+            if failing:
+                out.append(f"failing checks: {', '.join(failing[:12])}" + (" ..." if len(failing) > 12 else ""))
+            if cmd is not None and cmd.exit_code != 0:
+                out.append("oracle output (last lines):\n" + _indent(_last_lines(cmd.output, TAIL_LINES)))
+            out.append("test.sh output (last lines):\n" + _indent(_last_lines(self.oracle.output_tail, TAIL_LINES)))
+        if self.empty is not None and self.empty.success:
+            out.append(f"the empty run passes (S=1 {self.empty.passed}/{self.empty.total}): the tests do not need the agent")
+        return out
+
+
+TAIL_LINES = 8
+
+
+def _last_lines(text: str, n: int) -> str:
+    lines = text.rstrip("\n").splitlines()
+    return "\n".join(lines[-n:]) if lines else "(no output)"
+
+
+def _indent(text: str) -> str:
+    return "\n".join("      " + line for line in text.splitlines())
+
+
+def failing_checks(result: VerifierResult) -> list[str]:
+    return sorted(name for name, outcome in result.checks.items() if outcome != "passed" and name not in result.hygiene)
+
 
 def check_task(task: Task, backend: str) -> CheckRow:
     try:
-        return CheckRow(task, run_oracle(task, backend), run_empty(task, backend))
+        notes = _layer_notes(task, backend)
+        oracle, cmd = oracle_run(task, backend)
+        return CheckRow(task, oracle, run_empty(task, backend), oracle_cmd=cmd, notes=notes)
     except (SandboxError, ValueError) as e:
         return CheckRow(task, None, None, str(e))
+
+
+def _layer_notes(task: Task, backend: str) -> tuple[str, ...]:
+    if backend != "bwrap" or task.dockerfile is None or task.environment.get("runs_on_base", False):
+        return ()
+    from minirsi.dockerfile import parse_dockerfile
+
+    return tuple(parse_dockerfile(task.dockerfile).notes)
 
 
 def _cell(r: VerifierResult | None) -> str:
     return "-" if r is None else f"S={int(r.success)} {r.passed}/{r.total}"
 
 
-def _check(args: argparse.Namespace) -> int:
+def _load_all(dirs: list[str]) -> tuple[list[Task], list[Exception]]:
     tasks: list[Task] = []
-    errors: list[TaskError] = []
-    for d in args.dirs:
+    errors: list[Exception] = []
+    for d in dirs:
         try:
             good, bad = load_tasks(d)
         except TaskError as e:
             good, bad = [], [e]
         tasks += good
         errors += bad
+    return tasks, errors
+
+
+def prepare_tasks(tasks: list[Task], log=print) -> tuple[list[Task], dict[str, Exception], int]:
+    """Prepare the layers of every task with a Dockerfile (bwrap backend).
+
+    Returns (tasks that can run, {task id: DockerfileError or LayerError}, layers built)."""
+    from minirsi.dockerfile import DockerfileError
+    from minirsi.layers import LayerError, prepare
+    from minirsi.sandbox.bwrap import default_rootfs
+
+    ready, failed, built = [], {}, 0
+    for task in tasks:
+        if task.dockerfile is None or task.environment.get("runs_on_base", False):
+            ready.append(task)
+            continue
+        try:
+            _, did = prepare(task, default_rootfs(), log=log)
+            built += did
+            ready.append(task)
+        except (DockerfileError, LayerError, OSError) as e:
+            failed[task.task_id] = e
+    return ready, failed, built
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    import time
+
+    tasks, invalid = _load_all(args.dirs)
+    started = time.monotonic()
+    ready, failed, built = prepare_tasks(tasks, log=(lambda s: print(s, flush=True)) if not args.quiet else (lambda s: None))
+    for task_id, e in failed.items():
+        print(f"FAIL     {task_id}: {e}")
+    for e in invalid:
+        print(f"INVALID  {e}")
+    print(f"{len(ready)} ready ({built} layer(s) built in {time.monotonic() - started:.1f}s), "
+          f"{len(failed)} failed, {len(invalid)} invalid")
+    return 0 if not failed and not invalid else 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    tasks, errors = _load_all(args.dirs)
+    unprepared: dict[str, str] = {}
+    if args.backend == "bwrap":
+        if args.prepare:
+            tasks, failed, _ = prepare_tasks(tasks, log=lambda s: print(s, file=sys.stderr, flush=True))
+            errors += list(failed.values())
+        else:
+            from minirsi.layers import find_prepared
+            from minirsi.sandbox.bwrap import default_rootfs
+
+            for t in tasks:
+                if t.dockerfile is not None and not t.environment.get("runs_on_base", False):
+                    try:
+                        if find_prepared(t, default_rootfs()) is None:
+                            unprepared[t.task_id] = f"not prepared. Fix: minirsi task prepare {t.path}"
+                    except ValueError as e:
+                        unprepared[t.task_id] = str(e)
+    runnable = [t for t in tasks if t.task_id not in unprepared]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(pool.map(lambda t: check_task(t, args.backend), tasks))
-    width = max([len(t.task_id) for t in tasks] + [4])
+        rows = list(pool.map(lambda t: check_task(t, args.backend), runnable))
+    rows += [CheckRow(t, None, None, unprepared[t.task_id]) for t in tasks if t.task_id in unprepared]
+    n_ok = sum(r.ok for r in rows)
+    summary = f"{n_ok} passed, {len(rows) - n_ok} failed, {len(errors)} invalid (of {len(rows) + len(errors)} tasks)"
+    if args.json:
+        print(json.dumps({"tasks": [_row_json(r) for r in rows],
+                          "invalid": [{"path": str(getattr(e, "path", "")), "error": str(e)} for e in errors],
+                          "summary": {"passed": n_ok, "failed": len(rows) - n_ok, "invalid": len(errors)}}, indent=2))
+    else:
+        _print_table(rows, errors, args.verbose)
+        print(summary)
+    return 0 if n_ok == len(rows) and not errors and (rows or errors) else 1
+
+
+def _result_json(r: VerifierResult | None) -> dict | None:
+    if r is None:
+        return None
+    return {"success": r.success, "passed": r.passed, "total": r.total, "failing": failing_checks(r),
+            "checks": r.checks, "error": r.error, "output_tail": r.output_tail}
+
+
+def _row_json(row: CheckRow) -> dict:
+    cmd = row.oracle_cmd
+    return {"task": row.task.task_id, "path": str(row.task.path), "verdict": "ok" if row.ok else "FAIL",
+            "reasons": row.reasons(), "error": row.error, "notes": list(row.notes),
+            "oracle": _result_json(row.oracle), "empty": _result_json(row.empty),
+            "oracle_command": None if cmd is None else {"exit_code": cmd.exit_code, "timed_out": cmd.timed_out,
+                                                        "output": cmd.output}}
+
+
+def _print_table(rows: list[CheckRow], errors: list[Exception], verbose: bool) -> None:
+    width = max([len(r.task.task_id) for r in rows] + [4])
     print(f"{'task':<{width}}  {'family':<14} {'difficulty':<10} {'oracle':<12} {'empty':<12} verdict")
     for row in rows:
-        verdict = "ok" if row.ok else "FAIL"
-        why = row.error or (row.oracle.error if row.oracle and not row.oracle.success else None) \
-            or ("the empty run passes" if row.empty and row.empty.success else None)
         print(f"{row.task.task_id:<{width}}  {row.task.family:<14} {row.task.difficulty:<10} "
-              f"{_cell(row.oracle):<12} {_cell(row.empty):<12} {verdict}{'  ' + why if why and not row.ok else ''}")
+              f"{_cell(row.oracle):<12} {_cell(row.empty):<12} {'ok' if row.ok else 'FAIL'}")
+        for reason in row.reasons():
+            print(f"    {reason}")
+        if verbose:
+            for note in row.notes:
+                print(f"    note: {note}")
+            if row.oracle_cmd is not None:
+                print("    oracle output:\n" + _indent(row.oracle_cmd.output or "(none)"))
+            for name, r in (("oracle", row.oracle), ("empty run", row.empty)):
+                if r is not None:
+                    print(f"    test.sh output ({name}):\n" + _indent(r.output_tail or "(none)"))
     for e in errors:
         print(f"INVALID  {e}")
-    n_ok = sum(r.ok for r in rows)
-    print(f"{n_ok}/{len(rows)} tasks ok, {len(errors)} invalid")
-    return 0 if n_ok == len(rows) and not errors and (rows or errors) else 1
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -157,6 +307,13 @@ def cli(argv: list[str] | None = None, command: str = "task") -> int:
     p.add_argument("dirs", nargs="+", help="task directories or directories of tasks")
     p.add_argument("--backend", choices=BACKENDS, default="bwrap")
     p.add_argument("--jobs", type=int, default=2, help="tasks checked in parallel")
+    p.add_argument("-v", "--verbose", action="store_true", help="print whole logs (oracle and test.sh output)")
+    p.add_argument("--json", action="store_true", help="print a machine-readable report instead of the table")
+    p.add_argument("--no-prepare", dest="prepare", action="store_false",
+                   help="do not prepare missing environment layers (report the command to run instead)")
+    p = sub.add_parser("prepare", help="build the environment layers of tasks with a Dockerfile (needs the network)")
+    p.add_argument("dirs", nargs="+", help="task directories or directories of tasks")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
     p = sub.add_parser("replay", help="run a JSON list of commands as the agent, then the verifier")
     p.add_argument("dir", help="one task directory")
     p.add_argument("--commands", required=True, help="JSON file: a list of command strings")
@@ -166,7 +323,7 @@ def cli(argv: list[str] | None = None, command: str = "task") -> int:
     if getattr(args, "jobs", 1) < 1:
         parser.error("--jobs must be at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return _check(args) if args.action == "check" else _replay(args)
+    return {"check": _check, "prepare": _prepare, "replay": _replay}[args.action](args)
 
 
 if __name__ == "__main__":

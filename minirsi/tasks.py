@@ -42,6 +42,7 @@ Call::
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 import tomllib
@@ -59,6 +60,22 @@ DEFAULT_VERIFIER_TIMEOUT_SEC = 300.0
 DEFAULT_WORKDIR = "/app"
 # Paths the sandbox mounts itself; a task's workdir may not sit on or under them.
 _RESERVED_DIRS = ("/tests", "/logs", "/proc", "/dev", "/sys", "/tmp", "/opt/minirsi", "/solution")
+# The task.toml keys Harbor (schema 1.0 and 1.1) and minirsi read: anything else is a typo
+# (reported with the nearest of these) except in [metadata] and [task], which are free-form
+# (there only a near miss of a known key is reported).
+KNOWN_KEYS: dict[str, tuple[str, ...]] = {
+    "": ("version", "schema_version", "artifacts", "task", "metadata", "agent", "verifier", "environment", "solution",
+         "source"),
+    "metadata": ("difficulty", "category", "tags", "author_name", "author_email", "expert_time_estimate_min",
+                 "junior_time_estimate_min"),
+    "agent": ("timeout_sec", "user"),
+    "verifier": ("timeout_sec", "env", "user"),
+    "solution": ("env",),
+    "environment": ("build_timeout_sec", "docker_image", "cpus", "memory_mb", "memory", "storage_mb", "storage",
+                    "gpus", "gpu_types", "allow_internet", "mcp_servers", "env", "workdir", "setup",
+                    "setup_timeout_sec", "runs_on_base"),
+}
+_FREE_FORM = ("metadata", "task")
 
 
 class TaskError(ValueError):
@@ -157,8 +174,73 @@ def _positive(path: Path, field_name: str, value: Any, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         section, _, key = field_name.rpartition(".")
         where = f" under [{section}]" if section else ""
-        raise TaskError(path, field_name, f"must be a positive number, got {value!r}", f"write {key} = {default}{where}")
+        hint = _number_hint(value)
+        raise TaskError(path, field_name, f"must be a positive number, got {value!r}",
+                        f"replace {key} = {_toml_repr(value)}{where} with a positive number"
+                        + (f", e.g. {key} = {hint}" if hint else ""))
     return float(value)
+
+
+def _toml_repr(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def _number_hint(value: Any) -> str | None:
+    """What the user probably meant by a bad number: "600" -> 600, -5 -> 5, "10m" -> 600."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)?\s*", value)
+        if m:
+            scale = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}[m.group(2)]
+            return repr(float(m.group(1)) * scale)
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        return repr(-value)
+    return None
+
+
+def check_keys(source: Path, config: dict[str, Any]) -> None:
+    """Raise TaskError for an unknown section or key, naming the nearest known one (difflib)."""
+    def near(name: str, known: tuple[str, ...]) -> str | None:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+        return close[0] if close else None
+
+    for key, value in config.items():
+        if key not in KNOWN_KEYS[""]:
+            guess = near(key, KNOWN_KEYS[""])
+            kind = "section" if isinstance(value, dict) else "key"
+            shown = f"[{key}]" if kind == "section" else key
+            raise TaskError(source, shown, f"unknown {kind}",
+                            f"rename {shown} to " + (f"[{guess}]" if kind == "section" else guess) if guess
+                            else f"remove {shown} (known: {', '.join(KNOWN_KEYS[''])})")
+    for section, known in KNOWN_KEYS.items():
+        table = config.get(section) if section else None
+        if not isinstance(table, dict):
+            continue
+        for key in table:
+            if key in known:
+                continue
+            guess = near(key, known)
+            if guess is None and section in _FREE_FORM:
+                continue
+            raise TaskError(source, f"{section}.{key}", "unknown key",
+                            f"rename {key} to {guess} under [{section}]" if guess
+                            else f"remove {key} from [{section}] (known: {', '.join(known)})")
+
+
+def dockerfile_workdir(dockerfile: Path) -> str | None:
+    """The last absolute WORKDIR of a Dockerfile (a lenient scan; the full parse is in dockerfile.py)."""
+    found = None
+    try:
+        text = dockerfile.read_text(errors="replace")
+    except OSError:
+        return None
+    for m in re.finditer(r"(?im)^\s*WORKDIR\s+(\S+)\s*$", text):
+        value = m.group(1).strip('"')
+        if value.startswith("/") and "$" not in value:
+            found = value
+    return found
 
 
 def _common(path: Path, source: Path, meta: dict[str, Any], instruction: str, fields: dict[str, str]) -> dict[str, Any]:
@@ -170,7 +252,10 @@ def _common(path: Path, source: Path, meta: dict[str, Any], instruction: str, fi
         raise TaskError(source, fields["category"], f"missing or not a string ({family!r})", 'add category = "<family>" (the task family f)')
     difficulty = meta.get("difficulty")
     if difficulty not in DIFFICULTIES:
-        raise TaskError(source, fields["difficulty"], f"got {difficulty!r}", f"use one of {', '.join(DIFFICULTIES)}")
+        guess = difflib.get_close_matches(str(difficulty).strip().lower(), DIFFICULTIES, n=1, cutoff=0.6)
+        raise TaskError(source, fields["difficulty"], f"got {difficulty!r}",
+                        f"replace {_toml_repr(difficulty)} with " + (f'"{guess[0]}"' if guess else "")
+                        + ("" if guess else f"one of {', '.join(DIFFICULTIES)}"))
     tags = meta.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise TaskError(source, fields["tags"], f"must be a list of strings, got {tags!r}", 'write tags = ["a", "b"]')
@@ -178,7 +263,14 @@ def _common(path: Path, source: Path, meta: dict[str, Any], instruction: str, fi
 
 
 def _check_environment(path: Path, source: Path, env: dict[str, Any]) -> str:
-    workdir = env.get("workdir", DEFAULT_WORKDIR)
+    workdir = env.get("workdir")
+    if workdir is None:  # a Dockerfile's last WORKDIR, as in its image, if the sandbox can use it
+        workdir = DEFAULT_WORKDIR
+        from_docker = dockerfile_workdir(path / "environment" / "Dockerfile")
+        if from_docker and from_docker.strip("/") and not any(
+                from_docker.rstrip("/") == r or from_docker.startswith(r + "/") or r.startswith(from_docker.rstrip("/") + "/")
+                for r in _RESERVED_DIRS):
+            workdir = from_docker
     if not isinstance(workdir, str) or not workdir.startswith("/") or workdir.rstrip("/") == "" or ".." in workdir.split("/"):
         raise TaskError(source, "environment.workdir", f"must be an absolute path other than /, got {workdir!r}", 'use workdir = "/app"')
     workdir = "/" + workdir.strip("/")
@@ -211,6 +303,7 @@ def _load_harbor(path: Path) -> Task:
     for section in ("metadata", "agent", "verifier", "environment"):
         if not isinstance(config.get(section, {}), dict):
             raise TaskError(source, f"[{section}]", "must be a table", f"write a [{section}] section")
+    check_keys(source, config)
     meta = config.get("metadata", {})
     common = _common(path, source, meta, instruction_md.read_text(), {
         "instruction": "instruction.md", "category": "metadata.category",

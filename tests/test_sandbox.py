@@ -146,9 +146,15 @@ def test_task_env_reaches_the_shell_and_the_setup(tmp_path):
         assert s.run('echo "$TOY_CLOCK"; cat clock.txt', timeout=10).output == "2026-01-01\n2026-01-01\n"
 
 
-def test_dockerfile_task_is_refused_clearly():
+def test_dockerfile_task_is_refused_clearly(tmp_path, monkeypatch):
+    # FROM an image with no local equivalent: the error names the line and the way out
     task = load_task(FIXTURES / "docker_only" / "with_dockerfile")
-    with pytest.raises(SandboxError, match="runs_on_base"):
+    with pytest.raises(SandboxError, match=r"Dockerfile:1: .*no local equivalent.*Fix: .*--backend docker"):
+        open_sandbox(task)
+    # a Dockerfile the local backend can replay, not prepared yet: the error names the command
+    monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "layers"))
+    task = load_task(FIXTURES / "tb2" / "word-stats")
+    with pytest.raises(SandboxError, match=f"Fix: minirsi task prepare {task.path}"):
         open_sandbox(task)
 
 

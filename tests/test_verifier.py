@@ -155,7 +155,7 @@ def test_tb1_task_without_reward_file():
 def test_task_check_cli(capsys):
     assert cli(["check", str(FIXTURES / "good"), "--jobs", "2"]) == 0
     out = capsys.readouterr().out
-    assert "3/3 tasks ok, 0 invalid" in out and "hello" in out
+    assert "3 passed, 0 failed, 0 invalid (of 3 tasks)" in out and "hello" in out
     assert cli(["check", str(FIXTURES / "good" / "hello"), str(FIXTURES / "malformed" / "bad_toml")]) == 1
     assert "INVALID" in capsys.readouterr().out
 
