@@ -202,9 +202,9 @@ def parse_dockerfile(path: Path | str, build_args: dict[str, str] | None = None)
             for k, v in _pairs(rest, lineno, path, line):
                 variables.setdefault(k, substitute(v, {**variables, **env}))
             continue
-        if op == "ENV":
-            for k, v in _pairs(rest, lineno, path, line):
-                env[k] = substitute(v, {**variables, **env})
+        if op == "ENV":  # every value sees the variables as they were before this line (Docker's rule)
+            scope = {**variables, **env}
+            env.update({k: substitute(v, scope) for k, v in _pairs(rest, lineno, path, line)})
             continue
         scope = {**variables, **env}
         snapshot = tuple(sorted(scope.items()))
