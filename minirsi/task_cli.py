@@ -91,6 +91,14 @@ class CheckRow:
     def ok(self) -> bool:
         return self.error is None and self.oracle is not None and self.oracle.success and self.empty is not None and not self.empty.success
 
+    @property
+    def empty_all_failing(self) -> bool:
+        """The empty run executed every declared check and each one failed (none errored,
+        none uncollected, none skipped): the verifier works in this environment."""
+        r = self.empty
+        counted = [o for name, o in r.checks.items() if name not in r.hygiene] if r is not None else []
+        return bool(counted) and all(o == "failed" for o in counted) and not r.success
+
     def reasons(self) -> list[str]:
         """Why the row is a FAIL, one line each (empty when ok)."""
         if self.ok:
@@ -224,11 +232,17 @@ def _check(args: argparse.Namespace) -> int:
         rows = list(pool.map(lambda t: check_task(t, args.backend), runnable))
     rows += [CheckRow(t, None, None, unprepared[t.task_id]) for t in tasks if t.task_id in unprepared]
     n_ok = sum(r.ok for r in rows)
-    summary = f"{n_ok} passed, {len(rows) - n_ok} failed, {len(errors)} invalid (of {len(rows) + len(errors)} tasks)"
+    counts = {"passed": n_ok, "failed": len(rows) - n_ok, "invalid": len(errors),
+              "empty_run_all_checks_failing": sum(r.empty_all_failing for r in rows),
+              "with_oracle": sum(r.task.solution_script.is_file() for r in rows),
+              "oracle_passes": sum(bool(r.oracle and r.oracle.success) for r in rows)}
+    summary = (f"{n_ok} passed, {len(rows) - n_ok} failed, {len(errors)} invalid (of {len(rows) + len(errors)} tasks); "
+               f"empty run executed every check and all failed: {counts['empty_run_all_checks_failing']}/{len(rows)}; "
+               f"oracle passes: {counts['oracle_passes']}/{counts['with_oracle']} with an oracle")
     if args.json:
         print(json.dumps({"tasks": [_row_json(r) for r in rows],
                           "invalid": [{"path": str(getattr(e, "path", "")), "error": str(e)} for e in errors],
-                          "summary": {"passed": n_ok, "failed": len(rows) - n_ok, "invalid": len(errors)}}, indent=2))
+                          "summary": counts}, indent=2))
     else:
         _print_table(rows, errors, args.verbose)
         print(summary)
@@ -245,6 +259,7 @@ def _result_json(r: VerifierResult | None) -> dict | None:
 def _row_json(row: CheckRow) -> dict:
     cmd = row.oracle_cmd
     return {"task": row.task.task_id, "path": str(row.task.path), "verdict": "ok" if row.ok else "FAIL",
+            "empty_run_all_checks_failing": row.empty_all_failing,
             "reasons": row.reasons(), "error": row.error, "notes": list(row.notes),
             "oracle": _result_json(row.oracle), "empty": _result_json(row.empty),
             "oracle_command": None if cmd is None else {"exit_code": cmd.exit_code, "timed_out": cmd.timed_out,

@@ -260,7 +260,8 @@ def test_prepare_cli_names_the_failing_line_and_package(tmp_path, capsys, layers
 def test_check_json_and_unprepared_task(layers, tmp_path, capsys, monkeypatch):
     assert cli(["check", "--json", str(WORD_STATS)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["summary"] == {"passed": 1, "failed": 0, "invalid": 0}
+    assert report["summary"] == {"passed": 1, "failed": 0, "invalid": 0, "empty_run_all_checks_failing": 1,
+                                 "with_oracle": 1, "oracle_passes": 1}
     assert report["tasks"][0]["oracle"]["failing"] == [] and len(report["tasks"][0]["empty"]["failing"]) == 5
     monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "empty-cache"))
     assert cli(["check", "--no-prepare", str(WORD_STATS)]) == 1
