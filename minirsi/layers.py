@@ -4,19 +4,24 @@ A task with ``environment/Dockerfile`` runs on a *layer*: a directory holding on
 Dockerfile changed (the overlayfs "upper" of the build), stacked read-only over the shared
 base rootfs when a sandbox opens::
 
-    agent jail      /  =  overlay(lowerdir = env.upper : rootfs)                   read-only
-    verifier jail   /  =  overlay(lowerdir = tools.upper : env.upper : rootfs)    read-only
+    agent jail      /  =  overlay(lowerdir = env.upper : rootfs)                  read-only
+    verifier jail   /  =  overlay(lowerdir = apt.upper : env.upper : rootfs)      read-only
+                    /opt/minirsi-tools  =  pip.upper/opt/minirsi-tools (bind)    read-only
 
 - ``env`` layer, key = sha256(format, base rootfs, every file of environment/): the Dockerfile
   replayed (minirsi/dockerfile.py) by ``prepare``: each RUN runs as root with the machine's
   network in a bubblewrap jail whose root is a writable overlay (upper = the layer), the way
   ``docker build`` runs it. Tasks with the same environment/ share one layer.
-- ``tools`` layer (only when tests/test.sh needs tools), key = sha256(env key, the apt
-  packages test.sh installs, the pip specs its ``uvx -w`` / ``uv pip install`` ask for): those
-  packages, installed at preparation so that the standard Terminal-Bench 2 test.sh runs
-  offline (its ``apt-get``, ``curl``, ``uv`` and ``uvx`` are stand-ins in the verifier jail:
-  minirsi/sandbox/verifier_shims.py). Only the verifier's root has it: the agent never sees the
-  test tools.
+- the test tools, read from tests/test.sh, installed at preparation so that the standard
+  Terminal-Bench 2 test.sh runs offline (its ``apt-get``, ``curl``, ``uv`` and ``uvx`` are
+  stand-ins in the verifier jail: minirsi/sandbox/verifier_shims.py). Only the verifier's jail
+  has them; the agent never sees them.
+  ``pip`` layer, key = sha256(format, base rootfs, the pip specs of ``uvx -w`` / ``uv pip
+  install``): ``pip install --target /opt/minirsi-tools`` for the rootfs's Python. It does not
+  depend on the environment, so every task with the standard test.sh shares one (pytest and
+  pytest-json-ctrf: 15 MB).
+  ``apt`` layer (only when test.sh installs packages other than curl), key = sha256(env key,
+  the packages), stacked on the env layer.
 
 A layer is built in ``<cache>/<key>.partial-<pid>`` and renamed to ``<cache>/<key>`` when
 complete (``meta.json`` inside), under an flock, so a killed preparation leaves nothing that
@@ -59,7 +64,8 @@ _CONTEXT = "/tmp/.minirsi-context"  # environment/ inside the preparation jail (
 _PIP = "/tmp/.minirsi-pip"  # the host's pip package inside the preparation jail (read-only)
 # The sandbox binds files under /opt/minirsi, which a layer's read-only /opt cannot grow at
 # mount time: the layer carries the (empty) mount points.
-_MOUNT_POINTS = ("mkdir -p /opt/minirsi/bin && touch /opt/minirsi/minirsi_junit.py /opt/minirsi/verifier_shims.py")
+_MOUNT_POINTS = (f"mkdir -p /opt/minirsi/bin {TOOLS_DIR} && "
+                 "touch /opt/minirsi/minirsi_junit.py /opt/minirsi/verifier_shims.py")
 _CA = "/tmp/.minirsi-ca.crt"  # the host's CA bundle inside the preparation jail
 _PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
 _CLEANUP = ("rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/cache/apt/*.bin /root/.cache/pip "
@@ -105,15 +111,23 @@ class Prepared:
     """The layers of one task and what its Dockerfile set."""
 
     env_layer: Layer
-    tools_layer: Layer | None
+    apt_layer: Layer | None = None
+    """test.sh's apt packages, for the verifier only."""
+    pip_layer: Layer | None = None
+    """test.sh's pip packages in <upper>/opt/minirsi-tools, for the verifier only."""
     env: dict[str, str] = field(default_factory=dict)
     """The Dockerfile's ENV: set for the agent and the verifier."""
     notes: tuple[str, ...] = ()
 
     def lowers(self, verifier: bool = False) -> list[Path]:
         """The layers' upper dirs, top first (the rootfs goes below them)."""
-        top = [self.tools_layer.upper] if verifier and self.tools_layer is not None else []
+        top = [self.apt_layer.upper] if verifier and self.apt_layer is not None else []
         return top + [self.env_layer.upper]
+
+    @property
+    def tools_dir(self) -> Path | None:
+        """The host directory the verifier sees at /opt/minirsi-tools."""
+        return self.pip_layer.upper / TOOLS_DIR.lstrip("/") if self.pip_layer is not None else None
 
 
 # --- keys ------------------------------------------------------------------------------------------
@@ -141,8 +155,12 @@ def environment_key(task, rootfs: Path) -> str:
     return h.hexdigest()[:24]
 
 
-def tools_key(env_key: str, spec: ToolSpec) -> str:
-    return hashlib.sha256(json.dumps([LAYER_FORMAT, env_key, spec.apt, spec.pip]).encode()).hexdigest()[:24]
+def apt_key(env_key: str, packages: tuple[str, ...]) -> str:
+    return hashlib.sha256(json.dumps([LAYER_FORMAT, "apt", env_key, packages]).encode()).hexdigest()[:24]
+
+
+def pip_key(rootfs: Path, specs: tuple[str, ...]) -> str:
+    return hashlib.sha256(json.dumps([LAYER_FORMAT, "pip", _rootfs_id(rootfs), specs]).encode()).hexdigest()[:24]
 
 
 def _join_continuations(text: str) -> list[str]:
@@ -225,10 +243,11 @@ def find_prepared(task, rootfs: Path) -> Prepared | None:
     if env_layer is None:
         return None
     spec = read_tool_spec(task.test_script) if task.test_script.is_file() else ToolSpec()
-    tools = _layer(tools_key(key, spec)) if spec else None
-    if spec and tools is None:
+    apt = _layer(apt_key(key, spec.apt)) if spec.apt else None
+    pip = _layer(pip_key(rootfs, spec.pip)) if spec.pip else None
+    if (spec.apt and apt is None) or (spec.pip and pip is None):
         return None
-    return Prepared(env_layer, tools, dict(df.env), tuple(df.notes))
+    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes))
 
 
 # --- building --------------------------------------------------------------------------------------
@@ -426,19 +445,17 @@ def _env_steps(df: Dockerfile, context: Path) -> list[tuple[str, str, dict[str, 
     return steps
 
 
-def _tools_steps(task, spec: ToolSpec) -> list[tuple[str, str, dict[str, str], str]]:
-    where = task.test_script
-    steps = []
-    if spec.apt:
-        pkgs = " ".join(shlex.quote(p) for p in spec.apt)
-        steps.append((f"{where}: apt-get install {pkgs}",
-                      f"apt-get update -qq && apt-get install -y -qq --no-install-recommends {pkgs}", {}, "/"))
-    if spec.pip:
-        pkgs = " ".join(shlex.quote(p) for p in spec.pip)
-        steps.append((f"{where}: test tools {pkgs}",
-                      f"python3 -m pip install -q --no-cache-dir --target {TOOLS_DIR} {pkgs}", {"PYTHONPATH": _PIP}, "/"))
-    steps.append((f"{where}: clean apt lists and caches", _CLEANUP, {}, "/"))
-    return steps
+def _apt_steps(where: Path, packages: tuple[str, ...]) -> list[tuple[str, str, dict[str, str], str]]:
+    pkgs = " ".join(shlex.quote(p) for p in packages)
+    return [(f"{where}: apt-get install {pkgs}",
+             f"apt-get update -qq && apt-get install -y -qq --no-install-recommends {pkgs}", {}, "/"),
+            (f"{where}: clean apt lists and caches", _CLEANUP, {}, "/")]
+
+
+def _pip_steps(where: Path, specs: tuple[str, ...]) -> list[tuple[str, str, dict[str, str], str]]:
+    pkgs = " ".join(shlex.quote(p) for p in specs)
+    return [(f"{where}: test tools {pkgs}",
+             f"python3 -m pip install -q --no-cache-dir --target {TOOLS_DIR} {pkgs}", {"PYTHONPATH": _PIP}, "/")]
 
 
 def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> tuple[Prepared, bool]:
@@ -458,17 +475,24 @@ def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> 
                             "notes": df.notes, "env": df.env, "workdir": df.workdir}, log)
         built = True
     spec = read_tool_spec(task.test_script) if task.test_script.is_file() else ToolSpec()
-    tools = None
-    if spec:
-        tkey = tools_key(key, spec)
-        tools = _layer(tkey)
-        if tools is None:
-            log(f"{task.task_id}: preparing test tools layer {tkey} (apt: {' '.join(spec.apt) or '-'}; "
-                f"pip: {' '.join(spec.pip) or '-'})")
-            tools = _build(tkey, [env_layer.upper, rootfs], _tools_steps(task, spec), None, timeout,
-                           {"kind": "tools", "env_layer": key, "apt": spec.apt, "pip": spec.pip}, log)
+    apt = pip = None
+    if spec.apt:
+        akey = apt_key(key, spec.apt)
+        apt = _layer(akey)
+        if apt is None:
+            log(f"{task.task_id}: preparing test.sh's apt layer {akey} ({' '.join(spec.apt)})")
+            apt = _build(akey, [env_layer.upper, rootfs], _apt_steps(task.test_script, spec.apt), None, timeout,
+                         {"kind": "apt", "env_layer": key, "apt": spec.apt}, log)
             built = True
-    return Prepared(env_layer, tools, dict(df.env), tuple(df.notes)), built
+    if spec.pip:
+        pkey = pip_key(rootfs, spec.pip)
+        pip = _layer(pkey)
+        if pip is None:
+            log(f"{task.task_id}: preparing test tools {pkey} ({' '.join(spec.pip)})")
+            pip = _build(pkey, [rootfs], _pip_steps(task.test_script, spec.pip), None, timeout,
+                         {"kind": "pip", "pip": spec.pip}, log)
+            built = True
+    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes)), built
 
 
 def mount_lowers(prepared: Prepared, rootfs: Path, verifier: bool = False) -> str:

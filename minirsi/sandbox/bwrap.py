@@ -36,6 +36,7 @@ import logging
 import os
 import random
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -389,6 +390,12 @@ class BwrapSandbox(ShellSandbox):
 
             mount = 'mount -t overlay overlay -o "ro,lowerdir=$1" "$2" && shift 2 && exec "$@"'
             source = mount_lowers(self.prepared, self.rootfs, verifier)
+            if verifier and self.prepared.tools_dir is not None:
+                # the test tools over the layer's empty mount point (bwrap's binds of /opt are
+                # recursive and read-only); done here, as root, since the sandbox uid may not be
+                # able to traverse the layer cache
+                mount = mount.replace(" && shift 2", f' && mount --bind {shlex.quote(str(self.prepared.tools_dir))} '
+                                      '"$2/opt/minirsi-tools" && shift 2')
         return ["unshare", "-m", "--propagation", "private", "sh", "-c", mount,
                 "sh", source, src, "prlimit", *limits, "--", "setpriv", f"--reuid={self.host_uid}",
                 f"--regid={self.host_uid}", "--clear-groups", "--inh-caps=-all", "--", *args]
