@@ -1,10 +1,22 @@
-"""``minirsi task``: validate tasks and replay commands in a sandbox.
+"""``minirsi task``: prepare, validate and replay tasks in a sandbox.
 
-    minirsi task check DIR... [--backend bwrap|docker] [--jobs N]
-        Load every task under each DIR (a task, or a directory of tasks), then for each one run
-        the oracle (solution/solve.sh) and an empty run (the agent does nothing) in fresh
-        sandboxes, each followed by the verifier. Prints a table; exit 0 only if every task
-        loads, every oracle passes (S = 1) and every empty run fails (S = 0).
+    minirsi task prepare DIR... [-q]
+        Build the environment layers of every task with environment/Dockerfile (the local
+        backend's `docker build`, with the network; minirsi/layers.py). Cached: a second run
+        does no work. Prints each failure (the Dockerfile line, the package, the exit status)
+        and a summary; exit 0 only if every task is ready.
+
+    minirsi task check DIR... [--backend bwrap|docker] [--jobs N] [-v] [--json] [--no-prepare]
+        Load every task under each DIR (a task, or a directory of tasks); on the local backend
+        prepare what is missing (--no-prepare: report the command instead); then for each task
+        run the oracle (solution/solve.sh) and an empty run (the agent does nothing) in fresh
+        sandboxes, each followed by the verifier. Prints a table; under each FAIL, why (the
+        oracle's exit status and last lines, test.sh's last lines, the failing checks); -v adds
+        whole logs and the image notes; a summary line counts passed / failed / invalid, the
+        empty runs that executed every check and failed them all, and the oracles that pass.
+        --json prints the same as one JSON object. Exit 0 only if every task loads, every
+        oracle passes (S = 1) and every empty run fails (S = 0). An invalid task (task.toml,
+        or a Dockerfile line the local backend cannot honour) is reported once, as INVALID.
 
     minirsi task replay DIR --commands FILE [--backend ...] [--timeout SEC]
         FILE is a JSON list of command strings. Runs them as the agent in a fresh sandbox, then
@@ -148,7 +160,7 @@ def check_task(task: Task, backend: str) -> CheckRow:
 
 
 def _layer_notes(task: Task, backend: str) -> tuple[str, ...]:
-    if backend != "bwrap" or task.dockerfile is None or task.environment.get("runs_on_base", False):
+    if backend != "bwrap" or not task.uses_layer:
         return ()
     from minirsi.dockerfile import parse_dockerfile
 
@@ -182,7 +194,7 @@ def prepare_tasks(tasks: list[Task], log=print) -> tuple[list[Task], dict[str, E
 
     ready, failed, built = [], {}, 0
     for task in tasks:
-        if task.dockerfile is None or task.environment.get("runs_on_base", False):
+        if not task.uses_layer:
             ready.append(task)
             continue
         try:
@@ -221,7 +233,7 @@ def _check(args: argparse.Namespace) -> int:
             from minirsi.sandbox.bwrap import default_rootfs
 
             for t in tasks:
-                if t.dockerfile is not None and not t.environment.get("runs_on_base", False):
+                if t.uses_layer:
                     try:
                         if find_prepared(t, default_rootfs()) is None:
                             unprepared[t.task_id] = f"not prepared. Fix: minirsi task prepare {t.path}"

@@ -16,15 +16,15 @@ A task is a directory::
 ``Task.environment``; minirsi reads ``memory_mb``/``memory`` as the sandbox memory limit and
 ignores the rest (sandboxes are always offline). minirsi adds:
 
-- ``workdir`` (default ``/app``): where the agent starts and where ``environment/`` files land.
+- ``workdir`` (default: the Dockerfile's last ``WORKDIR`` if there is one, else ``/app``): where
+  the agent starts and where ``environment/`` files land (a task without a Dockerfile).
 - ``setup`` (default none): a script inside ``environment/``, run as the agent's user in the
   work directory, offline, before the agent starts (``setup_timeout_sec``, default 60). It is
   not copied into the work directory. It cannot leave services running (its jail ends).
-- ``runs_on_base`` (default false): only read when ``environment/Dockerfile`` exists. The local
-  bubblewrap backend cannot build images: it runs every task on the base rootfs. A task with a
-  Dockerfile opens there only if it sets ``runs_on_base = true`` (it promises that the base
-  rootfs plus ``environment/`` files and ``setup`` reproduce the image); otherwise opening it
-  raises ``SandboxError`` telling to use ``--backend docker``.
+- ``runs_on_base`` (default false): only read when ``environment/Dockerfile`` exists. On the
+  local bubblewrap backend a task with a Dockerfile runs on its prepared environment layer
+  (``minirsi task prepare``; minirsi/layers.py). ``runs_on_base = true`` skips the Dockerfile
+  there instead: the base rootfs plus ``environment/`` files and ``setup`` stand for the image.
 - ``[environment.env]`` (default none): variables set in the agent's shell and the setup
   script, NAME = "value" (the toy git tasks fix the commit clock with them, so that commit
   hashes, which the agent reads, repeat between runs).
@@ -136,6 +136,12 @@ class Task:
     def dockerfile(self) -> Path | None:
         p = self.environment_dir / "Dockerfile"
         return p if p.is_file() else None
+
+    @property
+    def uses_layer(self) -> bool:
+        """On the local backend this task runs on a prepared environment layer (it has a
+        Dockerfile and does not set ``runs_on_base``)."""
+        return self.dockerfile is not None and not self.environment.get("runs_on_base", False)
 
     @property
     def setup_script(self) -> Path | None:
@@ -287,7 +293,8 @@ def _check_environment(path: Path, source: Path, env: dict[str, Any]) -> str:
     if "memory" in env and "memory_mb" not in env:
         _parse_size_mb(source, "environment.memory", env["memory"])
     if "runs_on_base" in env and not isinstance(env["runs_on_base"], bool):
-        raise TaskError(source, "environment.runs_on_base", f"must be true or false, got {env['runs_on_base']!r}", "write runs_on_base = true")
+        raise TaskError(source, "environment.runs_on_base", f"must be true or false, got {env['runs_on_base']!r}",
+                        f"replace runs_on_base = {_toml_repr(env['runs_on_base'])} with true or false")
     return workdir
 
 

@@ -8,6 +8,13 @@ The jail of one episode::
     <workdir>      read-write: a fresh host copy of environment/ (minus Dockerfile and setup)
     /etc/passwd    the rootfs's, plus `agent` (uid 1000, HOME=/tmp)
 
+A task with ``environment/Dockerfile`` runs on its prepared layers (minirsi/layers.py): ``/`` is
+then a read-only overlay of the environment layer over the rootfs, the work directory a fresh
+copy of what the layer holds at the workdir, and the Dockerfile's ENV is set. Its verifier runs
+as uid 0 inside the jail (as Harbor runs test.sh as root; still mapped to the unprivileged
+host uid), over the test tools' layers, with the offline stand-ins of verifier_shims.py first
+on PATH (/opt/minirsi/bin) and HOME=/tmp.
+
 namespaces: user (uid/gid 1000 inside), pid, net (no interface but a down loopback: offline),
 ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and ``solution/`` are never
 mounted while the agent acts.
@@ -266,7 +273,7 @@ class BwrapSandbox(ShellSandbox):
     def _find_layers(self, task: Any) -> Any:
         """The prepared layers of a task with a Dockerfile (None for a task without one, or with
         ``runs_on_base = true``); SandboxError saying which command prepares them."""
-        if task.dockerfile is None or task.environment.get("runs_on_base", False):
+        if not task.uses_layer:
             return None
         from minirsi.dockerfile import DockerfileError
         from minirsi.layers import find_prepared
