@@ -367,6 +367,14 @@ def _du(path: Path) -> int:
     return total
 
 
+def _remove_stale_partials(cache: Path) -> None:
+    """Delete ``<key>.partial-<pid>`` directories whose preparation died (its pid is gone)."""
+    for d in cache.glob("*.partial-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            subprocess.run(["rm", "-rf", "--one-file-system", str(d)], check=False)
+
+
 def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, str], str]], context: Path | None,
            timeout: float, meta: dict, log: Callable[[str], None]) -> Layer:
     """Build a layer: run each (label, script, env, cwd) as root over `lowers`; atomic rename.
@@ -383,6 +391,7 @@ def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, s
         done = _layer(key)
         if done is not None:  # another process built it while we waited
             return done
+        _remove_stale_partials(cache)
         part = cache / f"{key}.partial-{os.getpid()}"
         shutil.rmtree(part, ignore_errors=True)
         for sub in ("upper", "work", "merged"):
@@ -416,6 +425,7 @@ def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, s
                     "disk_bytes": _du(part / "upper"), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (part / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             os.rename(part, cache / key)
+            log(f"  layer {key}: {meta['disk_bytes'] / 2**20:.1f} MiB, built in {meta['seconds']:.1f} s")
         except BaseException:
             subprocess.run(["rm", "-rf", "--one-file-system", str(part)], check=False)
             raise

@@ -221,24 +221,44 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0 if not failed and not invalid else 1
 
 
+def _unready(tasks: list[Task], prepare_missing: bool) -> tuple[dict[str, str], dict[str, Exception]]:
+    """Tasks that cannot run on the local backend: ({task id: why}, {task id: why it is invalid}).
+
+    With `prepare_missing`, missing layers are built first; a failed RUN is the task's FAIL
+    reason, a Dockerfile line that cannot be honoured makes the task invalid. Without it, an
+    unprepared task's reason is the command that prepares it."""
+    from minirsi.dockerfile import DockerfileError
+    from minirsi.layers import find_prepared
+    from minirsi.sandbox.bwrap import default_rootfs
+
+    why: dict[str, str] = {}
+    invalid: dict[str, Exception] = {}
+    if prepare_missing:
+        _, failed, _ = prepare_tasks(tasks, log=lambda s: print(s, file=sys.stderr, flush=True))
+        for task_id, e in failed.items():
+            if isinstance(e, DockerfileError):
+                invalid[task_id] = e
+            else:
+                why[task_id] = str(e)
+        return why, invalid
+    for t in tasks:
+        if not t.uses_layer:
+            continue
+        try:
+            if find_prepared(t, default_rootfs()) is None:
+                why[t.task_id] = f"not prepared. Fix: minirsi task prepare {t.path}"
+        except DockerfileError as e:
+            invalid[t.task_id] = e
+    return why, invalid
+
+
 def _check(args: argparse.Namespace) -> int:
     tasks, errors = _load_all(args.dirs)
     unprepared: dict[str, str] = {}
     if args.backend == "bwrap":
-        if args.prepare:
-            tasks, failed, _ = prepare_tasks(tasks, log=lambda s: print(s, file=sys.stderr, flush=True))
-            errors += list(failed.values())
-        else:
-            from minirsi.layers import find_prepared
-            from minirsi.sandbox.bwrap import default_rootfs
-
-            for t in tasks:
-                if t.uses_layer:
-                    try:
-                        if find_prepared(t, default_rootfs()) is None:
-                            unprepared[t.task_id] = f"not prepared. Fix: minirsi task prepare {t.path}"
-                    except ValueError as e:
-                        unprepared[t.task_id] = str(e)
+        unprepared, invalid = _unready(tasks, args.prepare)
+        errors += list(invalid.values())
+        tasks = [t for t in tasks if t.task_id not in invalid]  # an invalid task is reported once
     runnable = [t for t in tasks if t.task_id not in unprepared]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(lambda t: check_task(t, args.backend), runnable))

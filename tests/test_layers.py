@@ -269,3 +269,19 @@ def test_check_json_and_unprepared_task(layers, tmp_path, capsys, monkeypatch):
     assert f"Fix: minirsi task prepare {WORD_STATS}" in capsys.readouterr().out
     with pytest.raises(SandboxError, match="not prepared"):
         open_sandbox(load_task(WORD_STATS))
+
+
+@pytest.mark.slow
+def test_check_reports_a_bad_line_once_as_invalid_and_a_failed_run_as_fail(tmp_path, capsys, layers):
+    twofrom = tmp_path / "twofrom"
+    shutil.copytree(WORD_STATS, twofrom)
+    (twofrom / "environment" / "Dockerfile").write_text("FROM debian:bookworm AS a\nFROM debian:bookworm\n")
+    failing = tmp_path / "failing-run"
+    shutil.copytree(WORD_STATS, failing)
+    (failing / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\nRUN echo broken; exit 7\n")
+    assert cli(["check", str(twofrom), str(failing), str(WORD_STATS)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("twofrom") == 1 and "INVALID" in out and "Dockerfile:2:" in out
+    assert "failing-run" in out and "Dockerfile:3: RUN echo broken; exit 7: exited with status 7" in out
+    assert "broken" in out  # the RUN's last lines
+    assert "1 passed, 1 failed, 1 invalid (of 3 tasks)" in out
