@@ -70,6 +70,7 @@ _CA = "/tmp/.minirsi-ca.crt"  # the host's CA bundle inside the preparation jail
 _PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
 _CLEANUP = ("rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/cache/apt/*.bin /root/.cache/pip "
             "2>/dev/null; true")
+_PREFIXES = ("sudo", "env", "exec", "command", "time", "nice")
 _SHIMMED_APT = {"curl"}  # test.sh installs these; the verifier jail has a stand-in instead
 
 
@@ -193,8 +194,8 @@ def read_tool_spec(test_sh: Path) -> ToolSpec:
     pip: list[str] = []
     for line in _join_continuations(test_sh.read_text(errors="replace")):
         for seg in _segments(line):
-            seg = [t for t in seg if "=" not in t or t.startswith("-") or "==" in t or ">=" in t or "<=" in t] \
-                if seg and re.fullmatch(r"[A-Z_]+=.*", seg[0]) else seg
+            while seg and (re.match(r"[A-Za-z_][A-Za-z0-9_]*=", seg[0]) or seg[0] in _PREFIXES):
+                seg = seg[1:]  # X=1 cmd, sudo cmd, env cmd, ...: the command is what follows
             if not seg:
                 continue
             cmd, rest = os.path.basename(seg[0]), seg[1:]

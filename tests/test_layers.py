@@ -92,9 +92,9 @@ def test_tool_spec_variants(tmp_path):
     sh.write_text("apt-get update && apt-get install -y curl jq=1.6 && apt install -y --no-install-recommends tree\n"
                   "uvx -p 3.13 --with numpy==2.1.0,scipy -w pytest==8.4.1 pytest /tests/test_outputs.py\n"
                   "uv pip install requests==2.32.3 # comment pandas\n"
-                  "X=1 uv run --with=httpx pytest -q\n")
+                  "X=1 uv run --with=httpx pytest -q\nsudo apt-get install -y sqlite3\n")
     spec = read_tool_spec(sh)
-    assert spec.apt == ("jq=1.6", "tree")  # curl is the stand-in's
+    assert spec.apt == ("jq=1.6", "sqlite3", "tree")  # curl is the stand-in's
     assert spec.pip == ("httpx", "numpy==2.1.0", "pytest==8.4.1", "requests==2.32.3", "scipy")  # one pytest
 
 
@@ -130,6 +130,13 @@ def test_curl_serves_only_the_uv_installer(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(shims.os, "access", lambda *a: False)  # no real curl to fall back on
     assert shims.main(["curl", "-fsSL", "https://example.com/x.tar.gz"]) == 7
     assert "only the uv installer" in capsys.readouterr().err
+
+
+def test_sudo_stand_in_runs_the_command(monkeypatch):
+    ran = []
+    monkeypatch.setattr(shims.os, "execvp", lambda f, a: ran.append(a) or 0)
+    assert shims.main(["sudo", "-E", "apt-get", "update"]) == 0 and ran == [["apt-get", "update"]]
+    assert shims.main(["sudo", "-u", "nobody", "id"]) == 1
 
 
 def test_apt_get_stand_in(capsys, monkeypatch):

@@ -28,6 +28,8 @@ task's tools layer (minirsi/layers.py: apt packages into the layer, pip packages
 - ``uv pip install SPEC...``: succeeds if every SPEC is prepared (as above), else exit 2.
   ``uv venv [DIR]``: makes DIR/bin/activate (it keeps the stand-ins on PATH).
   ``uv --version``. Other ``uv`` commands (``sync``, ``add``, ``init``...) exit 2.
+- ``sudo [-E] [-n] [-H] CMD ARGS``: runs CMD (the verifier is already root in its jail); other
+  sudo options exit 1.
 
 Run as ``python3 -I verifier_shims.py <command> ARGS``; stdlib only (it runs on the layer's
 Python, never imports minirsi).
@@ -229,6 +231,20 @@ def uv(args: list[str]) -> int:
     return 2
 
 
+def sudo(args: list[str]) -> int:
+    while args and args[0] in ("-E", "-n", "-H", "--preserve-env", "--non-interactive"):
+        args = args[1:]
+    if not args or args[0].startswith("-"):
+        _say("sudo", f"only `sudo [-E] [-n] [-H] CMD ...` is supported (got {' '.join(args) or 'nothing'})")
+        return 1
+    try:
+        os.execvp(args[0], args)
+    except OSError as e:
+        _say("sudo", f"{args[0]}: {e.strerror}")
+        return 127
+    return 0  # not reached: execvp replaces this process
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         return 2
@@ -244,6 +260,8 @@ def main(argv: list[str]) -> int:
         return tool_run(args)
     if tool == "uv":
         return uv(args)
+    if tool == "sudo":
+        return sudo(args)
     _say(tool, "unknown stand-in")
     return 2
 
