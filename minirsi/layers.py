@@ -187,6 +187,16 @@ def _segments(line: str) -> list[list[str]]:
     return out + [cur]
 
 
+def _requirements(tests_dir: Path, name: str) -> list[str]:
+    """The specs of a requirements file test.sh names (at /tests/... inside the jail)."""
+    path = tests_dir / Path(name).name if name.startswith("/tests/") or "/" not in name else Path("/nonexistent")
+    if not path.is_file():
+        raise LayerError(f"{tests_dir / 'test.sh'}: --with-requirements {name}: only files in tests/ can be read at "
+                         "preparation. Fix: put the file in tests/ and name it /tests/<file>")
+    return [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines()
+            if ln.split("#", 1)[0].strip() and not ln.lstrip().startswith("-")]
+
+
 def read_tool_spec(test_sh: Path) -> ToolSpec:
     """Apt packages and pip specs that test.sh installs (``apt-get install``, ``uvx -w``,
     ``uv run --with``, ``uv pip install``, ``pip install``); pytest when it runs it via uvx."""
@@ -206,7 +216,10 @@ def read_tool_spec(test_sh: Path) -> ToolSpec:
                 i = 0
                 while i < len(args):
                     a = args[i]
-                    if a in ("-w", "--with", "--from") and i + 1 < len(args):
+                    if a == "--with-requirements" and i + 1 < len(args):
+                        pip += _requirements(test_sh.parent, args[i + 1])
+                        i += 2
+                    elif a in ("-w", "--with", "--from") and i + 1 < len(args):
                         pip += [s for s in args[i + 1].split(",") if s]
                         i += 2
                     elif a.startswith("--with=") or a.startswith("--from="):
@@ -504,6 +517,13 @@ def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> 
                          {"kind": "pip", "pip": spec.pip}, log)
             built = True
     return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes)), built
+
+
+def list_layers() -> list[dict]:
+    """meta.json of every prepared layer in the cache (kind, key, disk_bytes, seconds, built...)."""
+    root = cache_dir()
+    return [json.loads((d / "meta.json").read_text()) for d in sorted(root.iterdir())
+            if (d / "meta.json").is_file()] if root.is_dir() else []
 
 
 def mount_lowers(prepared: Prepared, rootfs: Path, verifier: bool = False) -> str:

@@ -18,6 +18,9 @@
         oracle passes (S = 1) and every empty run fails (S = 0). An invalid task (task.toml,
         or a Dockerfile line the local backend cannot honour) is reported once, as INVALID.
 
+    minirsi task layers
+        List the prepared layers (kind, key, disk, build time) and their total disk.
+
     minirsi task replay DIR --commands FILE [--backend ...] [--timeout SEC]
         FILE is a JSON list of command strings. Runs them as the agent in a fresh sandbox, then
         the verifier, and prints JSON: success, passed, total, checks, error, output_tail, and
@@ -252,6 +255,17 @@ def _unready(tasks: list[Task], prepare_missing: bool) -> tuple[dict[str, str], 
     return why, invalid
 
 
+def _layers(args: argparse.Namespace) -> int:
+    from minirsi.layers import cache_dir, list_layers
+
+    metas = list_layers()
+    for m in metas:
+        what = m.get("base") or " ".join(m.get("apt") or m.get("pip") or [])
+        print(f"{m['kind']:<11} {m['key']}  {m['disk_bytes'] / 2**20:8.1f} MiB  {m['seconds']:7.1f} s  {m['built']}  {what}")
+    print(f"{len(metas)} layer(s) in {cache_dir()}: {sum(m['disk_bytes'] for m in metas) / 2**20:.1f} MiB")
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     tasks, errors = _load_all(args.dirs)
     unprepared: dict[str, str] = {}
@@ -361,6 +375,7 @@ def cli(argv: list[str] | None = None, command: str = "task") -> int:
     p = sub.add_parser("prepare", help="build the environment layers of tasks with a Dockerfile (needs the network)")
     p.add_argument("dirs", nargs="+", help="task directories or directories of tasks")
     p.add_argument("-q", "--quiet", action="store_true", help="print only failures and the summary")
+    p = sub.add_parser("layers", help="list the prepared layers (kind, key, disk, build time) and their total disk")
     p = sub.add_parser("replay", help="run a JSON list of commands as the agent, then the verifier")
     p.add_argument("dir", help="one task directory")
     p.add_argument("--commands", required=True, help="JSON file: a list of command strings")
@@ -370,7 +385,7 @@ def cli(argv: list[str] | None = None, command: str = "task") -> int:
     if getattr(args, "jobs", 1) < 1:
         parser.error("--jobs must be at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return {"check": _check, "prepare": _prepare, "replay": _replay}[args.action](args)
+    return {"check": _check, "prepare": _prepare, "layers": _layers, "replay": _replay}[args.action](args)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,23 @@ def test_tool_spec_variants(tmp_path):
     assert spec.pip == ("httpx", "numpy==2.1.0", "pytest==8.4.1", "requests==2.32.3", "scipy")  # one pytest
 
 
+def test_with_requirements_is_read_from_tests(tmp_path):
+    (tmp_path / "requirements.txt").write_text("# test deps\nnumpy==2.1.0  # pinned\n-r other.txt\nhttpx\n")
+    (tmp_path / "test.sh").write_text("uvx --with-requirements /tests/requirements.txt pytest /tests\n")
+    assert read_tool_spec(tmp_path / "test.sh").pip == ("httpx", "numpy==2.1.0", "pytest")
+    (tmp_path / "test.sh").write_text("uvx --with-requirements /etc/reqs.txt pytest /tests\n")
+    with pytest.raises(LayerError, match="only files in tests/"):
+        read_tool_spec(tmp_path / "test.sh")
+
+
+def test_a_gpu_task_is_refused_on_the_local_backend(tmp_path):
+    shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text(toml.read_text() + "gpus = 1\n")
+    with pytest.raises(SandboxError, match="gpus = 1 .*no GPU.*--backend docker"):
+        open_sandbox(load_task(tmp_path / "t"))
+
+
 # --- the stand-ins, called on the host ---------------------------------------------------------------
 @pytest.fixture
 def tools_dir(tmp_path, monkeypatch):
@@ -271,6 +288,8 @@ def test_check_json_and_unprepared_task(layers, tmp_path, capsys, monkeypatch):
     assert report["summary"] == {"passed": 1, "failed": 0, "invalid": 0, "empty_run_all_checks_failing": 1,
                                  "with_oracle": 1, "oracle_passes": 1}
     assert report["tasks"][0]["oracle"]["failing"] == [] and len(report["tasks"][0]["empty"]["failing"]) == 5
+    assert cli(["layers"]) == 0
+    assert "2 layer(s) in" in capsys.readouterr().out
     monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "empty-cache"))
     assert cli(["check", "--no-prepare", str(WORD_STATS)]) == 1
     assert f"Fix: minirsi task prepare {WORD_STATS}" in capsys.readouterr().out

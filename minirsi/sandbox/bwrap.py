@@ -273,6 +273,10 @@ class BwrapSandbox(ShellSandbox):
     def _find_layers(self, task: Any) -> Any:
         """The prepared layers of a task with a Dockerfile (None for a task without one, or with
         ``runs_on_base = true``); SandboxError saying which command prepares them."""
+        gpus = task.environment.get("gpus", 0)
+        if isinstance(gpus, (int, float)) and gpus > 0:
+            raise SandboxError(f"task {task.task_id} asks for gpus = {gpus} in task.toml; the local sandbox has no GPU. "
+                               "Fix: use --backend docker on a machine with a GPU")
         if not task.uses_layer:
             return None
         from minirsi.dockerfile import DockerfileError

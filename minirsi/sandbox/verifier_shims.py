@@ -160,6 +160,11 @@ def tool_run(args: list[str], tool: str = "uvx") -> int:
         if a in ("-w", "--with", "--from") and i + 1 < len(args):
             specs += [s for s in args[i + 1].split(",") if s]
             i += 2
+        elif a == "--with-requirements" and i + 1 < len(args):
+            with open(args[i + 1]) as f:
+                specs += [ln.split("#", 1)[0].strip() for ln in f
+                          if ln.split("#", 1)[0].strip() and not ln.lstrip().startswith("-")]
+            i += 2
         elif a.startswith(("--with=", "--from=")):
             specs += [s for s in a.split("=", 1)[1].split(",") if s]
             i += 1
