@@ -66,6 +66,11 @@ _PIP = "/tmp/.minirsi-pip"  # the host's pip package inside the preparation jail
 # mount time: the layer carries the (empty) mount points.
 _MOUNT_POINTS = (f"mkdir -p /opt/minirsi/bin {TOOLS_DIR} && "
                  "touch /opt/minirsi/minirsi_junit.py /opt/minirsi/verifier_shims.py")
+# RUN is root, as in `docker build`, with Docker's default capabilities minus MKNOD and NET_RAW:
+# enough for dpkg and apt's _apt sandbox, not for mount, modules or raw devices (host root's
+# CAP_SYS_ADMIN would let a Dockerfile mount the host's disk).
+_BUILD_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+               "CAP_SETPCAP", "CAP_SETFCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE")
 _CA = "/tmp/.minirsi-ca.crt"  # the host's CA bundle inside the preparation jail
 _PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
 _CLEANUP = ("rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/cache/apt/*.bin /root/.cache/pip "
@@ -313,7 +318,8 @@ def _jail_argv(lowers: list[Path], upper: Path, work: Path, merged: Path, contex
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh",
             ":".join(str(p) for p in lowers), str(upper), str(work), str(merged),
             "bwrap", "--bind", str(merged), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", *binds,
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--clearenv",
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
+            "--new-session", "--cap-drop", "ALL", *[a for c in _BUILD_CAPS for a in ("--cap-add", c)], "--clearenv",
             *setenv, "--chdir", "/", "/bin/sh", "-c", "chmod 1777 /tmp\n" + script]
 
 

@@ -282,6 +282,22 @@ def test_prepare_cli_names_the_failing_line_and_package(tmp_path, capsys, layers
 
 
 @pytest.mark.slow
+def test_a_run_line_cannot_mount_or_reach_the_host(tmp_path, layers):
+    d = tmp_path / "escape"
+    shutil.copytree(WORD_STATS, d)
+    (d / "environment" / "Dockerfile").write_text(
+        "FROM debian:bookworm\nWORKDIR /app\n"
+        "RUN mount -t tmpfs x /mnt && echo MOUNTED; mknod /tmp/d b 8 0 && echo MKNOD; ls /work /root/.cache 2>&1 | head -3; "
+        "echo done > /app/probe.txt\n")
+    prepare(load_task(d), default_rootfs())
+    layer = find_prepared(load_task(d), default_rootfs()).env_layer
+    log = (layer.path / "build.log").read_text()
+    assert "\nMOUNTED\n" not in log and "\nMKNOD\n" not in log and "permission denied" in log
+    assert "Operation not permitted" in log and "No such file" in log
+    assert (layer.upper / "app/probe.txt").read_text() == "done\n"
+
+
+@pytest.mark.slow
 def test_check_json_and_unprepared_task(layers, tmp_path, capsys, monkeypatch):
     assert cli(["check", "--json", str(WORD_STATS)]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -289,7 +305,8 @@ def test_check_json_and_unprepared_task(layers, tmp_path, capsys, monkeypatch):
                                  "with_oracle": 1, "oracle_passes": 1}
     assert report["tasks"][0]["oracle"]["failing"] == [] and len(report["tasks"][0]["empty"]["failing"]) == 5
     assert cli(["layers"]) == 0
-    assert "2 layer(s) in" in capsys.readouterr().out
+    listing = capsys.readouterr().out
+    assert find_prepared(layers[0], default_rootfs()).env_layer.key in listing and " layer(s) in " in listing
     monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "empty-cache"))
     assert cli(["check", "--no-prepare", str(WORD_STATS)]) == 1
     assert f"Fix: minirsi task prepare {WORD_STATS}" in capsys.readouterr().out
