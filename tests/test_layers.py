@@ -187,6 +187,14 @@ def layers(tmp_path_factory):
         os.environ["MINIRSI_LAYERS"] = old
 
 
+def _variant(tmp_path: Path, name: str, dockerfile: str) -> Path:
+    """A copy of word-stats with another Dockerfile."""
+    d = tmp_path / name
+    shutil.copytree(WORD_STATS, d)
+    (d / "environment" / "Dockerfile").write_text(dockerfile)
+    return d
+
+
 def _tree_digest(root: Path) -> str:
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in sorted(os.walk(root)):
@@ -263,13 +271,9 @@ def test_verifier_is_root_in_its_jail_but_cannot_write_layers(layers, tmp_path):
 
 @pytest.mark.slow
 def test_prepare_cli_names_the_failing_line_and_package(tmp_path, capsys, layers):
-    bad = tmp_path / "bad-apt"
-    shutil.copytree(WORD_STATS, bad)
-    (bad / "environment" / "Dockerfile").write_text(
-        "FROM debian:bookworm\nWORKDIR /app\nRUN apt-get update -qq && apt-get install -y -qq no-such-package-xyz\n")
-    multi = tmp_path / "multi"
-    shutil.copytree(WORD_STATS, multi)
-    (multi / "environment" / "Dockerfile").write_text("FROM python:3.12 AS b\nRUN true\nFROM debian:bookworm\n")
+    bad = _variant(tmp_path, "bad-apt", "FROM debian:bookworm\nWORKDIR /app\n"
+                   "RUN apt-get update -qq && apt-get install -y -qq no-such-package-xyz\n")
+    multi = _variant(tmp_path, "multi", "FROM python:3.12 AS b\nRUN true\nFROM debian:bookworm\n")
     assert cli(["prepare", "-q", str(bad), str(multi)]) == 1
     out = capsys.readouterr().out
     assert "Dockerfile:3: RUN apt-get update" in out and "'no-such-package-xyz' not found" in out
@@ -283,12 +287,9 @@ def test_prepare_cli_names_the_failing_line_and_package(tmp_path, capsys, layers
 
 @pytest.mark.slow
 def test_a_run_line_cannot_mount_or_reach_the_host(tmp_path, layers):
-    d = tmp_path / "escape"
-    shutil.copytree(WORD_STATS, d)
-    (d / "environment" / "Dockerfile").write_text(
-        "FROM debian:bookworm\nWORKDIR /app\n"
-        "RUN mount -t tmpfs x /mnt && echo MOUNTED; mknod /tmp/d b 8 0 && echo MKNOD; ls /work /root/.cache 2>&1 | head -3; "
-        "echo done > /app/probe.txt\n")
+    d = _variant(tmp_path, "escape", "FROM debian:bookworm\nWORKDIR /app\n"
+                 "RUN mount -t tmpfs x /mnt && echo MOUNTED; mknod /tmp/d b 8 0 && echo MKNOD; "
+                 "ls /work /root/.cache 2>&1 | head -3; echo done > /app/probe.txt\n")
     prepare(load_task(d), default_rootfs())
     layer = find_prepared(load_task(d), default_rootfs()).env_layer
     log = (layer.path / "build.log").read_text()
@@ -316,12 +317,8 @@ def test_check_json_and_unprepared_task(layers, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_check_reports_a_bad_line_once_as_invalid_and_a_failed_run_as_fail(tmp_path, capsys, layers):
-    twofrom = tmp_path / "twofrom"
-    shutil.copytree(WORD_STATS, twofrom)
-    (twofrom / "environment" / "Dockerfile").write_text("FROM debian:bookworm AS a\nFROM debian:bookworm\n")
-    failing = tmp_path / "failing-run"
-    shutil.copytree(WORD_STATS, failing)
-    (failing / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\nRUN echo broken; exit 7\n")
+    twofrom = _variant(tmp_path, "twofrom", "FROM debian:bookworm AS a\nFROM debian:bookworm\n")
+    failing = _variant(tmp_path, "failing-run", "FROM debian:bookworm\nWORKDIR /app\nRUN echo broken; exit 7\n")
     assert cli(["check", str(twofrom), str(failing), str(WORD_STATS)]) == 1
     out = capsys.readouterr().out
     assert out.count("twofrom") == 1 and "INVALID" in out and "Dockerfile:2:" in out
