@@ -86,11 +86,19 @@ class Dockerfile:
     """FROM python:*: the layer gets pip and a ``python`` command as the image has."""
 
 
+_HEREDOC = re.compile(r"<<(-?)[\"']?([A-Za-z_][A-Za-z0-9_]*)[\"']?")
+
+
 def logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, instruction) with ``\\`` continuations joined and comments dropped."""
+    """(first line number, instruction) with ``\\`` continuations joined, comments dropped, and
+    BuildKit heredocs (``RUN <<EOF ... EOF``) kept with their body, newlines included, so that
+    ``/bin/sh -c`` runs them as written."""
     out, buf, start = [], "", 0
-    for i, raw in enumerate(text.splitlines(), 1):
-        line = raw.rstrip()
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].rstrip()
+        i += 1
         if not buf and (not line.strip() or line.lstrip().startswith("#")):
             continue
         if buf and line.lstrip().startswith("#"):  # comment lines inside a continuation are dropped
@@ -100,7 +108,15 @@ def logical_lines(text: str) -> list[tuple[int, str]]:
         if line.endswith("\\"):
             buf += line[:-1] + " "
             continue
-        out.append((start, buf + line))
+        instruction = buf + line
+        for m in _HEREDOC.finditer(instruction):  # each heredoc's body runs up to its terminator
+            body = []
+            while i < len(lines) and (lines[i].strip() if m.group(1) else lines[i]) != m.group(2):
+                body.append(lines[i])
+                i += 1
+            i += 1
+            instruction += "\n" + "\n".join(body + [m.group(2)])
+        out.append((start, instruction))
         buf = ""
     if buf.strip():
         out.append((start, buf))
