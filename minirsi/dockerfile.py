@@ -235,6 +235,8 @@ def parse_dockerfile(path: Path | str, build_args: dict[str, str] | None = None)
                                       "drop the flag (preparation already has the network), or use --backend docker")
             words = _words(rest) if rest.strip().startswith("[") else None
             command = shlex.join(words) if words else rest.strip()
+            if command.startswith("<<") and "\n" in command:  # RUN <<EOF: the body is the script
+                command = command.split("\n", 1)[1].rsplit("\n", 1)[0]
             df.steps.append(Step(lineno, line, "run", (command,), snapshot, workdir))
         elif op in ("COPY", "ADD"):
             words = _words(substitute(rest, scope))

@@ -61,7 +61,7 @@ def test_heredoc_run_keeps_its_body(tmp_path):
     df = parse_dockerfile(_dockerfile(tmp_path, "FROM debian:bookworm\nRUN <<EOF\nset -e\necho a > /x\n\nEOF\n"
                                                 "RUN cat > /y <<-'END'\n\tplain $HOME\n\tEND\nWORKDIR /app\n"))
     assert [(s.lineno, s.kind) for s in df.steps] == [(2, "run"), (7, "run"), (10, "workdir")]
-    assert df.steps[0].args[0] == "<<EOF\nset -e\necho a > /x\n\nEOF"
+    assert df.steps[0].args[0] == "set -e\necho a > /x\n"  # RUN <<EOF: the body is the script
     assert df.steps[1].args[0] == "cat > /y <<-'END'\n\tplain $HOME\nEND"
 
 
