@@ -169,7 +169,9 @@ class Task:
 def _parse_size_mb(path: Path, field_name: str, value: Any) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)[bB]?\s*", str(value))
     if not m:
-        raise TaskError(path, field_name, f"cannot read size {value!r}", 'write e.g. "2G", "512M" or use memory_mb = 2048')
+        raise TaskError(path, field_name, f"cannot read size {value!r}",
+                        f'replace {field_name.rpartition(".")[2]} = {_toml_repr(value)} with a size such as "2G" or "512M" '
+                        '(or use memory_mb = 2048)')
     scale = {"": 1 / (1 << 20), "k": 1 / 1024, "m": 1, "g": 1024}[m.group(2).lower()]
     return max(1, int(float(m.group(1)) * scale))
 
@@ -264,7 +266,9 @@ def _common(path: Path, source: Path, meta: dict[str, Any], instruction: str, fi
                         + ("" if guess else f"one of {', '.join(DIFFICULTIES)}"))
     tags = meta.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise TaskError(source, fields["tags"], f"must be a list of strings, got {tags!r}", 'write tags = ["a", "b"]')
+        raise TaskError(source, fields["tags"], f"must be a list of strings, got {tags!r}",
+                        f"replace tags = {_toml_repr(tags)} with a list of strings, e.g. tags = [{_toml_repr(str(tags))}]"
+                        if not isinstance(tags, list) else 'write every tag as a string, e.g. tags = ["a", "b"]')
     return dict(task_id=path.name, path=path, instruction=instruction, family=family.strip(), difficulty=difficulty, tags=tuple(tags))
 
 
@@ -278,15 +282,18 @@ def _check_environment(path: Path, source: Path, env: dict[str, Any]) -> str:
                 for r in _RESERVED_DIRS):
             workdir = from_docker
     if not isinstance(workdir, str) or not workdir.startswith("/") or workdir.rstrip("/") == "" or ".." in workdir.split("/"):
-        raise TaskError(source, "environment.workdir", f"must be an absolute path other than /, got {workdir!r}", 'use workdir = "/app"')
+        raise TaskError(source, "environment.workdir", f"must be an absolute path other than /, got {workdir!r}",
+                        f'replace workdir = {_toml_repr(workdir)} with an absolute path such as "/app"')
     workdir = "/" + workdir.strip("/")
     for reserved in _RESERVED_DIRS:
         if workdir == reserved or workdir.startswith(reserved + "/") or reserved.startswith(workdir + "/"):
-            raise TaskError(source, "environment.workdir", f"{workdir} overlaps {reserved}, which the sandbox mounts itself", 'use workdir = "/app"')
+            raise TaskError(source, "environment.workdir", f"{workdir} overlaps {reserved}, which the sandbox mounts itself",
+                            f'replace workdir = "{workdir}" with a path outside {reserved}, such as "/app"')
     setup = env.get("setup")
     if setup is not None:
         if not isinstance(setup, str) or not (path / "environment" / setup).is_file() or ".." in Path(setup).parts:
-            raise TaskError(source, "environment.setup", f"{setup!r} is not a file inside environment/", "put the script in environment/ and name it relative to it")
+            raise TaskError(source, "environment.setup", f"{setup!r} is not a file inside environment/",
+                            f"put {setup!r} in environment/ and name it relative to it (setup = \"name.sh\")")
     for key in ("setup_timeout_sec", "memory_mb"):
         if key in env:
             _positive(source, f"environment.{key}", env[key], 1.0)

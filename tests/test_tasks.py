@@ -149,6 +149,11 @@ def test_size_parsing(n, unit):
     (("timeout_sec = 60.0", 'timeout_sec = "10m"'), "agent.timeout_sec", 'replace timeout_sec = "10m"'),
     (('difficulty = "easy"', 'difficulty = "Hard"'), "metadata.difficulty", 'replace "Hard" with "hard"'),
     (("[agent]", "[agent]\nmax_turns = 3"), "agent.max_turns", "remove max_turns from [agent] (known: timeout_sec"),
+    (('workdir = "/app"', 'workdir = "/tests/x"'), "environment.workdir", 'replace workdir = "/tests/x" with a path'),
+    (('workdir = "/app"', 'workdir = "app"'), "environment.workdir", 'replace workdir = "app" with an absolute path'),
+    (('workdir = "/app"', 'memory = "lots"'), "environment.memory", 'replace memory = "lots" with a size'),
+    (('tags = ["fixture"]', 'tags = "fixture"'), "metadata.tags", 'replace tags = "fixture" with a list of strings, '
+     'e.g. tags = ["fixture"]'),
 ])
 def test_unknown_keys_and_bad_values_name_the_fix(tmp_path, edit, field_name, fix):
     shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
