@@ -163,6 +163,7 @@ def test_missing_from_falls_back_to_the_base_image_with_a_warning(tmp_path, capl
     assert "FROM debian:bookworm-slim is not in the Docker engine" in caplog.text and "minirsi-base:bookworm" in caplog.text
 
 
+@pytest.mark.slow
 def test_build_that_needs_the_network_fails_in_one_line(tmp_path):
     task = load_task(_tb2_copy(tmp_path))  # RUN apt-get install: needs the Debian mirror
     with pytest.raises(SandboxError) as info:
