@@ -146,6 +146,12 @@ def test_uvx_refuses_what_was_not_prepared(tools_dir, capsys):
     assert shims.main(["uv", "pip", "install", "pytest==8.4.1"]) == 0
 
 
+def test_pip_stand_in_accepts_only_prepared_specs(tools_dir, capsys):
+    assert shims.main(["pip", "install", "-q", "pytest==8.4.1"]) == 0
+    assert shims.main(["pip3", "install", "requests"]) == 1
+    assert "requests: not prepared" in capsys.readouterr().err
+
+
 def test_curl_serves_only_the_uv_installer(tmp_path, capsys, monkeypatch):
     assert shims.main(["curl", "-LsSf", "https://astral.sh/uv/0.9.5/install.sh"]) == 0
     installer = capsys.readouterr().out
@@ -335,3 +341,16 @@ def test_check_reports_a_bad_line_once_as_invalid_and_a_failed_run_as_fail(tmp_p
     assert "failing-run" in out and "Dockerfile:3: RUN echo broken; exit 7: exited with status 7" in out
     assert "broken" in out  # the RUN's last lines
     assert "1 passed, 1 failed, 1 invalid (of 3 tasks)" in out
+
+
+@pytest.mark.slow
+def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
+    d = _variant(tmp_path, "pip-style", (WORD_STATS / "environment" / "Dockerfile").read_text())
+    (d / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nset -e\npip install pytest==8.4.1\ncd /app\nset +e\npytest /tests/test_outputs.py -rA\n"
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    task = load_task(d)
+    prepare(task, default_rootfs())  # same environment layer; pytest==8.4.1 alone is a new tools layer
+    row = check_task(task, "bwrap")
+    assert row.ok, row.reasons()
+    assert "pytest-8.4.1" in row.oracle.output_tail and (row.empty.passed, row.empty.total) == (0, 5)

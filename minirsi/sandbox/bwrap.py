@@ -63,7 +63,7 @@ _ENV_SKIP = {"Dockerfile", ".dockerignore", "docker-compose.yaml", "docker-compo
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SHIM_BIN = "/opt/minirsi/bin"
 SHIM_SOURCE = Path(__file__).parent / "verifier_shims.py"
-SHIMS = ("apt-get", "apt", "curl", "uv", "uvx", "sudo")
+SHIMS = ("apt-get", "apt", "curl", "uv", "uvx", "sudo", "pip", "pip3", "pytest")
 
 
 def _is_whiteout(path: str) -> bool:

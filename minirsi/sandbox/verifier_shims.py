@@ -30,6 +30,9 @@ task's tools layer (minirsi/layers.py: apt packages into the layer, pip packages
   ``uv --version``. Other ``uv`` commands (``sync``, ``add``, ``init``...) exit 2.
 - ``sudo [-E] [-n] [-H] CMD ARGS``: runs CMD (the verifier is already root in its jail); other
   sudo options exit 1.
+- ``pip`` / ``pip3 install SPEC...`` (a test.sh that installs its test tools with pip): succeeds
+  if every SPEC is prepared, else exits 1; other pip commands run the layer's own pip.
+- ``pytest ARGS``: the prepared pytest when test.sh's tools include one, else the layer's own.
 
 Run as ``python3 -I verifier_shims.py <command> ARGS``; stdlib only (it runs on the layer's
 Python, never imports minirsi).
@@ -152,6 +155,51 @@ def _env_with_tools() -> dict[str, str]:
     return env
 
 
+def _run_pytest(args: list[str]) -> None:
+    """Replace this process by the prepared pytest (the tools first on sys.path, not the cwd)."""
+    launch = f"import sys; sys.path.insert(0, {TOOLS!r}); import pytest; sys.exit(pytest.console_main())"
+    # no cache provider: /tests is read-only here (in Harbor it is writable)
+    os.execve(PYTHON, [PYTHON, "-P", "-s", "-c", launch, "-p", "no:cacheprovider", *args], _env_with_tools())
+
+
+def _real(name: str) -> str | None:
+    """`name` on PATH, skipping the stand-ins."""
+    for d in os.environ.get("PATH", "").split(":"):
+        path = os.path.join(d, name)
+        if d and d != SHIM_BIN and os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    return None
+
+
+def pytest_(args: list[str]) -> int:
+    if "pytest" in _installed_tools():
+        _run_pytest(args)
+    real = _real("pytest")
+    if real is None:
+        _say("pytest", "no pytest in the layer and none prepared. Fix: run `minirsi task prepare` on this task")
+        return 127
+    os.execv(real, [real, *args])
+    return 0  # not reached
+
+
+def pip(args: list[str], tool: str) -> int:
+    if args[:1] == ["install"]:
+        specs = [a for a in args[1:] if not a.startswith("-")]
+        missing = missing_specs(specs)
+        if missing:
+            _say(tool, f"install {', '.join(missing)}: not prepared and the verifier has no network. "
+                       "Fix: run `minirsi task prepare` on this task")
+            return 1
+        _say(tool, f"{' '.join(specs)}: prepared at preparation")
+        return 0
+    real = _real(tool)
+    if real is None:
+        _say(tool, f"no {tool} in the layer")
+        return 127
+    os.execv(real, [real, *args])
+    return 0  # not reached
+
+
 def tool_run(args: list[str], tool: str = "uvx") -> int:
     """uvx / uv tool run / uv run: check the specs, then run the command on the prepared tools."""
     specs, python, i = [], None, 0
@@ -195,9 +243,7 @@ def tool_run(args: list[str], tool: str = "uvx") -> int:
     _python_note(python)
     env = _env_with_tools()
     if command in ("pytest", "py.test"):
-        launch = f"import sys; sys.path.insert(0, {TOOLS!r}); import pytest; sys.exit(pytest.console_main())"
-        # no cache provider: /tests is read-only here (in Harbor it is writable)
-        os.execve(PYTHON, [PYTHON, "-P", "-s", "-c", launch, "-p", "no:cacheprovider", *rest], env)
+        _run_pytest(rest)
     if command in ("python", "python3"):
         os.execve(PYTHON, [PYTHON, *rest], env)
     script = os.path.join(TOOLS, "bin", command)
@@ -267,6 +313,10 @@ def main(argv: list[str]) -> int:
         return uv(args)
     if tool == "sudo":
         return sudo(args)
+    if tool in ("pip", "pip3"):
+        return pip(args, tool)
+    if tool == "pytest":
+        return pytest_(args)
     _say(tool, "unknown stand-in")
     return 2
 
