@@ -202,6 +202,31 @@ def _requirements(tests_dir: Path, name: str) -> list[str]:
             if ln.split("#", 1)[0].strip() and not ln.lstrip().startswith("-")]
 
 
+def _uvx_specs(args: list[str], tests_dir: Path) -> list[str]:
+    """The pip specs of ``uvx ARGS`` (the same options verifier_shims.tool_run reads)."""
+    specs, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--with-requirements" and i + 1 < len(args):
+            specs += _requirements(tests_dir, args[i + 1])
+            i += 2
+        elif a in ("-w", "--with", "--from") and i + 1 < len(args):
+            specs += [s for s in args[i + 1].split(",") if s]
+            i += 2
+        elif a.startswith(("--with=", "--from=")):
+            specs += [s for s in a.split("=", 1)[1].split(",") if s]
+            i += 1
+        elif a in ("-p", "--python"):
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:  # the command: uvx installs it too
+            if a in ("pytest", "py.test"):
+                specs.append("pytest")
+            break
+    return specs
+
+
 def read_tool_spec(test_sh: Path) -> ToolSpec:
     """Apt packages and pip specs that test.sh installs (``apt-get install``, ``uvx -w``,
     ``uv run --with``, ``uv pip install``, ``pip install``); pytest when it runs it via uvx."""
@@ -216,31 +241,15 @@ def read_tool_spec(test_sh: Path) -> ToolSpec:
             cmd, rest = os.path.basename(seg[0]), seg[1:]
             if cmd in ("apt-get", "apt") and "install" in rest:
                 apt += [t for t in rest[rest.index("install") + 1:] if not t.startswith("-") and t not in _SHIMMED_APT]
-            elif cmd == "uvx" or (cmd == "uv" and rest[:1] in (["run"], ["tool"])):
-                args = rest[2:] if rest[:1] == ["tool"] else (rest[1:] if cmd == "uv" else rest)
-                i = 0
-                while i < len(args):
-                    a = args[i]
-                    if a == "--with-requirements" and i + 1 < len(args):
-                        pip += _requirements(test_sh.parent, args[i + 1])
-                        i += 2
-                    elif a in ("-w", "--with", "--from") and i + 1 < len(args):
-                        pip += [s for s in args[i + 1].split(",") if s]
-                        i += 2
-                    elif a.startswith("--with=") or a.startswith("--from="):
-                        pip += [s for s in a.split("=", 1)[1].split(",") if s]
-                        i += 1
-                    elif a in ("-p", "--python"):
-                        i += 2
-                    elif a.startswith("-"):
-                        i += 1
-                    else:
-                        if a in ("pytest", "py.test") and not any(re.match(r"pytest([=<>!~ ]|$)", s) for s in pip):
-                            pip.append("pytest")
-                        break
+            elif cmd == "uvx":
+                pip += _uvx_specs(rest, test_sh.parent)
+            elif cmd == "uv" and (rest[:1] == ["run"] or rest[:2] == ["tool", "run"]):
+                pip += _uvx_specs(rest[1:] if rest[:1] == ["run"] else rest[2:], test_sh.parent)
             elif (cmd == "uv" and rest[:2] == ["pip", "install"]) or (cmd in ("pip", "pip3") and rest[:1] == ["install"]):
-                start = 2 if cmd == "uv" else 1
-                pip += [t for t in rest[start:] if not t.startswith("-")]
+                pip += [t for t in rest[2 if cmd == "uv" else 1:] if not t.startswith("-")]
+    named = {re.split(r"[=<>!~\[ ;]", s, maxsplit=1)[0].lower() for s in pip if s != "pytest"}
+    if "pytest" in named:  # a bare "pytest" (uvx's command) next to a pinned one would conflict
+        pip = [s for s in pip if s != "pytest"]
     return ToolSpec(tuple(sorted(set(apt))), tuple(sorted(set(pip))))
 
 
