@@ -144,9 +144,23 @@ def _rootfs_id(rootfs: Path) -> str:
     return f"{rootfs}:{st.st_size}:{st.st_mtime_ns}"
 
 
+_KEYS: dict[tuple, str] = {}
+"""environment_key's memo, by a stat signature of environment/: every sandbox of a task looks
+its layer up, and hashing a large environment/ each time would cost the open."""
+
+
 def environment_key(task, rootfs: Path) -> str:
-    h = hashlib.sha256(f"minirsi-layer-{LAYER_FORMAT}\0{_rootfs_id(rootfs)}\0".encode())
     root = task.environment_dir
+    signature = (str(root), _rootfs_id(rootfs), tuple(
+        (str(p), st.st_size, st.st_mtime_ns, st.st_mode) for p in sorted(root.rglob("*"))
+        for st in [p.lstat()]))
+    if signature not in _KEYS:
+        _KEYS[signature] = _hash_environment(root, rootfs)
+    return _KEYS[signature]
+
+
+def _hash_environment(root: Path, rootfs: Path) -> str:
+    h = hashlib.sha256(f"minirsi-layer-{LAYER_FORMAT}\0{_rootfs_id(rootfs)}\0".encode())
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
         if p.is_symlink():
