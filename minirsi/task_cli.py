@@ -201,9 +201,11 @@ def prepare_tasks(tasks: list[Task], log=print) -> tuple[list[Task], dict[str, E
             ready.append(task)
             continue
         try:
-            _, did = prepare(task, default_rootfs(), log=log)
+            prepared, did = prepare(task, default_rootfs(), log=log)
             built += did
             ready.append(task)
+            for note in prepared.notes if did else ():  # what differs from the image, said once
+                log(f"  note: {note}")
         except (DockerfileError, LayerError, OSError) as e:
             failed[task.task_id] = e
     return ready, failed, built
