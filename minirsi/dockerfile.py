@@ -7,7 +7,7 @@ of it (minirsi/layers.py) instruction by instruction, as ``docker build`` would:
 =============  ===========================================================================
 instruction    what the local backend does
 =============  ===========================================================================
-FROM           ``debian:*``, ``ubuntu:*``, ``python:*`` (any registry prefix, e.g.
+FROM           ``debian:*``, ``ubuntu:*``, ``python:*``, ``minirsi-base:*`` (any registry prefix, e.g.
                ``ghcr.io/.../t-bench/ubuntu-24-04``) map to the base rootfs; the versions
                that differ are listed in ``Dockerfile.notes`` (Ubuntu 24.04 -> Debian 12,
                Python 3.13 -> 3.11). A ``python:*`` image also gets ``pip`` and ``python``.
@@ -41,7 +41,7 @@ from pathlib import Path
 
 BASE_DESCRIPTION = "Debian 12 bookworm, Python 3.11"
 _IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "VOLUME", "HEALTHCHECK", "STOPSIGNAL", "MAINTAINER"}
-_DISTROS = ("debian", "ubuntu", "python", "buildpack-deps")
+_DISTROS = ("debian", "ubuntu", "python", "buildpack-deps", "minirsi-base")  # minirsi-base: the rootfs itself
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 
