@@ -354,3 +354,14 @@ def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
     row = check_task(task, "bwrap")
     assert row.ok, row.reasons()
     assert "pytest-8.4.1" in row.oracle.output_tail and (row.empty.passed, row.empty.total) == (0, 5)
+
+
+@pytest.mark.slow
+def test_a_workdir_missing_from_the_layer_is_named(tmp_path, layers):
+    d = _variant(tmp_path, "nowd", "FROM debian:bookworm\nWORKDIR /app\n")
+    toml = d / "task.toml"
+    toml.write_text(toml.read_text() + 'workdir = "/usr/share/proj"\n')
+    task = load_task(d)
+    prepare(task, default_rootfs())
+    with pytest.raises(SandboxError, match="add WORKDIR /usr/share/proj to the Dockerfile"):
+        open_sandbox(task)

@@ -378,8 +378,13 @@ class BwrapSandbox(ShellSandbox):
                 args += ["--dir", f"/{name}"]
             else:
                 args += ["--ro-bind", f"{src}/{name}", f"/{name}"]
-        if self.prepared is None and ((self.rootfs / top).is_symlink()
-                                      or ((self.rootfs / top).is_dir() and any(os.scandir(self.rootfs / top)))):
+        if self.prepared is not None:  # on a layer every top-level directory is bound: the workdir must exist
+            roots = [*self.prepared.lowers(verifier), self.rootfs]
+            if top in entries and not any((r / workdir.lstrip("/")).is_dir() for r in roots):
+                raise SandboxError(f"workdir {workdir} lies in the layer's read-only /{top} and does not exist there. "
+                                   f"Fix: add WORKDIR {workdir} to the Dockerfile (then prepare again), or choose "
+                                   "another workdir in task.toml")
+        elif (self.rootfs / top).is_symlink() or ((self.rootfs / top).is_dir() and any(os.scandir(self.rootfs / top))):
             if not (self.rootfs / workdir.lstrip("/")).is_dir():
                 raise SandboxError(f"workdir {workdir} lies in the rootfs's /{top}, which is read-only and has no {workdir}. "
                                    "Fix: choose a workdir whose first component is not in the rootfs (e.g. /app)")
