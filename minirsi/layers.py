@@ -294,8 +294,13 @@ def find_prepared(task, rootfs: Path) -> Prepared | None:
 
 # --- building --------------------------------------------------------------------------------------
 def _host_pip() -> Path:
-    import pip  # the host's pip: pure Python, run by the layer's python3 at preparation
-
+    """The host's pip package: pure Python, run by the layer's python3 at preparation (the
+    Debian rootfs has no pip of its own)."""
+    try:
+        import pip
+    except ImportError as e:
+        raise LayerError("preparing a layer runs the host's pip inside it, and this Python has none. "
+                         "Fix: python3 -m ensurepip (or apt-get install python3-pip)") from e
     return Path(pip.__file__).parent
 
 
