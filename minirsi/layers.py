@@ -385,7 +385,7 @@ def _copy_script(step: Step, context: Path, where: str) -> str:
             raise DockerfileError(where, step.lineno, step.text, f"source {src!r} is not in {context}",
                                   "add the file to environment/ or fix the path")
         for m in matches:
-            inside = shlex.quote(f"{_CONTEXT}/{m.relative_to(context).as_posix()}".rstrip("/.") if m != context else _CONTEXT)
+            inside = shlex.quote(_CONTEXT if m == context else f"{_CONTEXT}/{m.relative_to(context).as_posix()}")
             d = shlex.quote(dest.rstrip("/") or "/")
             if m.is_dir():
                 lines.append(f"mkdir -p {d} && cp -a {inside}/. {d}/")

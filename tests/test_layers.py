@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import tarfile
 import time
 from pathlib import Path
 
@@ -365,3 +366,20 @@ def test_a_workdir_missing_from_the_layer_is_named(tmp_path, layers):
     prepare(task, default_rootfs())
     with pytest.raises(SandboxError, match="add WORKDIR /usr/share/proj to the Dockerfile"):
         open_sandbox(task)
+
+
+@pytest.mark.slow
+def test_copy_and_add_land_where_docker_puts_them(tmp_path, layers):
+    d = _variant(tmp_path, "copies", "FROM debian:bookworm\nWORKDIR /app\nCOPY data/*.txt /glob/\nCOPY . /ctx\n"
+                 "COPY count_hint.txt /renamed.txt\nCOPY [\"data\", \"/json form/\"]\nADD pack.tar /unpacked/\n"
+                 "COPY --chown=1234:1234 data/a.txt rel/\n")
+    with tarfile.open(d / "environment" / "pack.tar", "w") as tar:
+        tar.add(d / "environment" / "count_hint.txt", arcname="inner/hint.txt")
+    task = load_task(d)
+    prepare(task, default_rootfs())
+    up = find_prepared(task, default_rootfs()).env_layer.upper
+    assert sorted(p.name for p in (up / "glob").iterdir()) == ["a.txt", "b.txt", "c.txt"]
+    assert (up / "ctx/data/a.txt").is_file() and (up / "ctx/Dockerfile").is_file()  # the whole context, as docker
+    assert (up / "renamed.txt").read_text().startswith("Tip:")
+    assert (up / "json form/c.txt").is_file() and (up / "unpacked/inner/hint.txt").is_file()
+    assert (up / "app/rel/a.txt").stat().st_uid == 1234  # relative to WORKDIR, chowned
