@@ -383,3 +383,21 @@ def test_copy_and_add_land_where_docker_puts_them(tmp_path, layers):
     assert (up / "renamed.txt").read_text().startswith("Tip:")
     assert (up / "json form/c.txt").is_file() and (up / "unpacked/inner/hint.txt").is_file()
     assert (up / "app/rel/a.txt").stat().st_uid == 1234  # relative to WORKDIR, chowned
+
+
+@pytest.mark.slow
+def test_test_sh_apt_packages_are_for_the_verifier_only(tmp_path, layers):
+    d = _variant(tmp_path, "apt-tools", (WORD_STATS / "environment" / "Dockerfile").read_text())
+    sh = d / "tests" / "test.sh"
+    sh.write_text(sh.read_text().replace("apt-get install -y curl", "apt-get install -y curl sqlite3"))
+    (d / "tests" / "test_outputs.py").write_text(
+        "import subprocess\n\n\ndef test_sqlite3_is_there():\n"
+        "    assert subprocess.run(['sqlite3', '--version'], capture_output=True).returncode == 0\n")
+    task = load_task(d)
+    prepared, built = prepare(task, default_rootfs())  # the environment layer is reused: only sqlite3 is new
+    assert built and prepared.apt_layer is not None and prepared.env_layer.key == find_prepared(
+        layers[0], default_rootfs()).env_layer.key
+    with open_sandbox(task) as sb:
+        assert sb.run("command -v sqlite3 || echo absent", timeout=10).output == "absent\n"  # not the agent's
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
