@@ -7,6 +7,8 @@ each stage with its own learning rates, and evaluates every stage on every suite
     minirsi run --preset smoke --out runs/ci      # the CI-sized run
     minirsi run rpr1.lr_actor=5e-4 baselines.continue_rpr1=4     # key=value overrides
     minirsi run --resume runs/toy-cpu             # continue an interrupted run
+    minirsi run serving.servers=[http://h1:8000,http://h2:8000]  # RPR samples on vLLM servers,
+                                                  # synced after every update (scale/README.md)
 
 The stage plan (``plan``), with where each stage's actor and critic come from::
 
@@ -192,6 +194,43 @@ class EvalConfig:
 
 
 @dataclass
+class ServingConfig:
+    """Where RPR samples its rollouts: in this process (default) or on inference servers."""
+
+    servers: list[str] = field(default_factory=list)
+    """Base URLs of OpenAI-compatible servers (``scale/serve_vllm.sh``, or ``minirsi serve``
+    for tests), all started on a checkpoint of the actor's architecture; empty: in-process
+    ``HFSampler``. The RPR stages sample there, each episode pinned to one server, and push
+    the actor to every server before their first rollout and after every update
+    (``minirsi.weight_sync``, full weights); RSR, the warm-up and evaluation sample in-process."""
+    model_name: str = "policy"
+    """The name the servers serve (``--served-model-name``)."""
+    sync_dir: str = ""
+    """Where weights are written for the servers to read (shared storage across nodes);
+    "" is RUN_DIR/weights."""
+    on_server_failure: str = "fail"
+    """A server that stops answering mid-step: "fail" stops the run naming it; "retry" moves
+    its episodes to the servers still up and leaves it out from then on."""
+    timeout: float = 600.0
+    """Seconds for one request (a generation batch, or a reload)."""
+    max_retries: int = 3
+    """Retries of a request that met a connection error, a timeout or a 5xx."""
+    verify_tol: float = 0.0
+    """> 0: after each sync, every server's log-probs of a probe sequence must match the
+    trainer's within this (``WeightSync``); 0: no check."""
+
+    def __post_init__(self) -> None:
+        from minirsi.sampler import ON_SERVER_FAILURE, server_base
+
+        for url in self.servers:
+            server_base(url)  # raises on a URL without http(s)://
+        if self.on_server_failure not in ON_SERVER_FAILURE:
+            raise ValueError(f"serving.on_server_failure={self.on_server_failure!r}: use one of {ON_SERVER_FAILURE}")
+        if not self.timeout > 0 or self.max_retries < 0 or self.verify_tol < 0:
+            raise ValueError("serving.timeout must be > 0, serving.max_retries and serving.verify_tol >= 0")
+
+
+@dataclass
 class RunConfig:
     """The whole recipe. Every field can be set in a preset YAML or as ``key=value``."""
 
@@ -212,6 +251,7 @@ class RunConfig:
     rpr2: RPRConfig = field(default_factory=RPRConfig)
     baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
     fdr_quantile: float = 0.9
     """Calibration: D_f is this quantile of the check counts C of family f's training tasks."""
     fdr_fallback: float = 82.0
@@ -615,7 +655,9 @@ def _prepare_dir(cfg: RunConfig, run_: RunDir, resume: bool) -> None:
         if not run_.config.is_file():
             raise ConfigError(f"--resume {run_.root}: no config.yaml there, so it is not a minirsi run "
                               f"directory; start a new run with --out {run_.root}")
-        saved = yaml.safe_load(run_.config.read_text())
+        # Through load_config, so a field added since the run started reads as its default on both
+        # sides (a run from before serving.* or rpr*.tis_cap existed still resumes).
+        saved = to_dict(load_config(RunConfig, run_.config))
         diff = config_diff(saved, now)
         if diff:
             raise ConfigError(
@@ -866,11 +908,12 @@ class RecipeRunner:
         return out_stats
 
     @staticmethod
-    def _rollout_fn(cfg: RunConfig, tok: Any, temperature: float | None = None) -> Callable:
+    def _rollout_fn(cfg: RunConfig, tok: Any, temperature: float | None = None, sync: Any = None) -> Callable:
+        """In-process sampling, or, given a ``WeightSync``, its servers' sampler."""
         from minirsi.rpr import make_rollout_fn
 
         rcfg = cfg.rollout if temperature is None else dataclasses.replace(cfg.rollout, temperature=temperature)
-        return make_rollout_fn(tok, rcfg)
+        return make_rollout_fn(tok, rcfg, None if sync is None else (lambda model, tok_: sync.sampler))
 
     @staticmethod
     def _actor(cfg: RunConfig, path: Path | None) -> tuple[Any, Any]:
@@ -945,6 +988,8 @@ class RecipeRunner:
         if spec.extra_steps:  # a continuation: the same phase, run longer (no second calibration)
             offset = base_cfg.critic_calibration_updates + base_cfg.steps
             stage_cfg = dataclasses.replace(stage_cfg, steps=spec.extra_steps, critic_calibration_updates=0)
+        if stage_cfg.tis_cap is None:  # auto: on when another engine samples (rpr.py's docstring)
+            stage_cfg = dataclasses.replace(stage_cfg, tis_cap=2.0 if cfg.serving.servers else 0.0)
         ref_model = None  # run_rpr's default (a frozen copy, or the adapter-free LoRA actor) in one process
         if world.size > 1 and stage_cfg.kl_coef > 0 and not cfg.lora.enabled:  # a sharded frozen copy
             ref_model = world.shard(copy.deepcopy(actor).eval().requires_grad_(False), keep_unsharded=False)
@@ -954,11 +999,16 @@ class RecipeRunner:
             state = torch.load(inputs.optimizer, weights_only=False)
             world.load_optimizer_state(actor, optimizers.actor, state["actor"])
             world.load_optimizer_state(critic, optimizers.critic, state["critic"])
+        # rank 0 talks to the servers; a sharded actor is gathered for each push (_sharded_push)
+        sync = _weight_sync(cfg, run_) if cfg.serving.servers and world.is_main else None
+        push = _sharded_push(world, sync) if cfg.serving.servers else None
+        if push is not None:
+            log(offset, {"phase": "sync", **push(actor)})  # the servers start from this stage's actor
         with JsonlWriter(out / "episodes.jsonl") as writer:
-            rollout_fn = world.rollout_fn(_recording(self._rollout_fn(cfg, tok, stage_cfg.temperature), writer))
+            rollout_fn = world.rollout_fn(_recording(self._rollout_fn(cfg, tok, stage_cfg.temperature, sync), writer))
             history = run_rpr(actor, critic, tok, self.tasks(cfg, run_, "train"), stage_cfg, rollout_fn,
                               self.scales(run_), log_fn=lambda rec: log(offset + int(rec["step"]), rec),
-                              ref_model=ref_model, optimizers=optimizers, world=world)
+                              ref_model=ref_model, optimizers=optimizers, after_actor_update=push, world=world)
         self._save_actor(cfg, actor, tok, out)
         world.save(critic, lambda plain: save_critic(plain, out / "critic"))
         state = {"actor": world.optimizer_state(actor, optimizers.actor),
@@ -981,6 +1031,33 @@ class RecipeRunner:
         # between stages come from the policies rather than from the dice.
         return evaluate(actor, tok, suites, k=cfg.eval.k, rollout_cfg=cfg.eval.rollout, out_dir=out,
                         seed=stage_seed(cfg.seed, "eval"))
+
+
+def _weight_sync(cfg: RunConfig, run_: RunDir) -> Any:
+    """An ``OpenAISampler`` over ``serving.servers`` and the ``WeightSync`` that feeds them."""
+    from minirsi.sampler import OpenAISampler
+    from minirsi.weight_sync import WeightSync
+
+    s = cfg.serving
+    sampler = OpenAISampler(s.servers, s.model_name, timeout=s.timeout, max_retries=s.max_retries,
+                            on_server_failure=s.on_server_failure)
+    probe = list(range(1, 65)) if s.verify_tol > 0 else ()  # any ids score; the tiny vocab has these
+    return WeightSync(sampler, s.sync_dir or run_.root / "weights", timeout=s.timeout, retries=s.max_retries,
+                      verify_tol=s.verify_tol, probe_ids=probe)
+
+
+def _sharded_push(world: distributed.World, sync: Any) -> Callable[[Any], dict] | None:
+    """The weight push after each update: ``sync`` itself in one process; sharded, every rank
+    gathers the actor's weights and rank 0 pushes them (``sync`` exists on rank 0 only), its
+    metrics going to every rank."""
+    if world.size == 1:
+        return sync
+
+    def push(actor: Any) -> dict:
+        plain = world.unsharded(actor)
+        return world.on_main(lambda: sync(plain))
+
+    return push
 
 
 def _recording(rollout_fn: Callable, writer: Any) -> Callable:

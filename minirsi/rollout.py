@@ -601,7 +601,9 @@ def cli(argv: list[str] | None = None, command: str = "rollout") -> int:
     parser.add_argument("--episodes", type=int, default=None, help="episodes to run, cycling over the tasks (default: one per task)")
     parser.add_argument("--out", required=True, help="JSONL file; episodes are appended as they finish")
     parser.add_argument("--backend", choices=BACKENDS, default=None, help="sandbox backend (default from config: bwrap)")
-    parser.add_argument("--server", default=None, help="OpenAI-compatible server URL (vllm serve / minirsi serve); default: generate in-process")
+    parser.add_argument("--server", action="append", default=None, metavar="URL",
+                        help="OpenAI-compatible server URL (vllm serve / minirsi serve); repeat it for several, "
+                             "each episode pinned to one; default: generate in-process")
     parser.add_argument("--served-model-name", default=None, help="model name sent to --server (default: --model)")
     parser.add_argument("--config", default=None, help="YAML file with RolloutConfig fields")
     parser.add_argument("--atif", default=None, help="also export ATIF trajectories to this directory")

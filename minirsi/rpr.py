@@ -13,7 +13,8 @@ METHOD.md section 6. One RPR step is::
 with, over action tokens t only (m_t = 1), each a token mean over the minibatch (N tokens)::
 
     rho_t   = exp(log pi_theta(a_t) - logp_old_t)
-    L_clip  = -sum_t m_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) / N
+    L_clip  = -sum_t m_t w_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t) / N
+    w_t     = min(exp(logp_old_t - logp_sampler_t), C)   (no grad; w_t = 1 when tis_cap is 0)
     L_V     = clipped value loss, minirsi.critic.value_loss
     KL      = sum_t m_t k3_t / N,  k3_t = exp(d_t) - d_t - 1,  d_t = log pi_ref(a_t) - log pi_theta(a_t)
     H       = sum_t m_t H(pi_theta(. | x_<t)) / N
@@ -26,6 +27,13 @@ Choices the paper leaves open, ours:
 * logp_old is recomputed by the training model at the start of the step (as veRL does), not
   the sampler's log-probs: the sampler may differ numerically (another kernel, vLLM). The gap
   is logged, ``logprob_gap = mean_t |logp_train - logp_sample|`` (paper: 4.66e-3 to 4.98e-3).
+* Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
+  brings you off-policy RL training"): the rollouts were drawn by the sampler, not by the
+  trainer's pi_old, so each action token's surrogate is weighted by the ratio of the two,
+  capped at C (``tis_cap``) so a token the sampler found much likelier than the trainer does
+  cannot dominate the batch. Logged: ``tis_capped_frac``, the share of action tokens whose
+  ratio exceeded C, beside ``logprob_gap``. On by default (C = 2) when rollouts come from
+  inference servers (``tis_cap`` None, resolved by the pipeline), off in-process.
 * KL uses the k3 estimator (unbiased for KL(pi_theta || pi_ref), always >= 0); off by default
   (beta = 0). The reference is the LoRA-disabled actor when the actor is a peft model,
   otherwise a frozen copy of the actor taken when the stage starts.
@@ -40,7 +48,8 @@ reward), ``dense_reward`` (mean FDR), ``binary_reward`` (mean S), ``turns``, ``k
 minibatch before its step),
 ``clip_frac`` (share of action tokens with |rho - 1| > eps), ``explained_variance`` (of V_old
 against R, minirsi.critic), ``entropy``, ``logprob_gap``, losses, gradient norms (before
-clipping), action tokens, seconds in rollout and in update.
+clipping), action tokens, seconds in rollout and in update; with TIS ``tis_capped_frac``; with
+an ``after_actor_update`` hook its metrics (the weight sync's ``sync_s``, ``sync_bytes``, ...).
 
 Call it::
 
@@ -132,6 +141,11 @@ class RPRConfig:
     """Normalise A to zero mean, unit variance over the batch's action tokens."""
     temperature: float = 1.0
     """Sampling temperature; training log-probs use logits / temperature to match it."""
+    tis_cap: float | None = None
+    """C: truncated importance sampling on the sampler's log-probs, each action token weighted
+    by min(exp(logp_old - logp_sampler), C) (module docstring). 0: off. None: the pipeline
+    picks 2.0 when rollouts come from servers (``serving.servers``) and 0 in-process, where the
+    same weights sample and score; ``run_rpr`` called directly treats None as 0."""
     forward_chunk: int = 8
     """Sequences per no-grad forward pass (old log-probs, values, reference); the passes take
     the sequences longest first, each cut to its rows' longest length."""
@@ -166,6 +180,8 @@ class RPRConfig:
         if self.advantage not in ("tb_gae", "token_gae"):
             raise ValueError(f"RPRConfig.advantage={self.advantage!r}: use 'tb_gae' (the method) or 'token_gae' "
                              "(the per-token GAE ablation)")
+        if self.tis_cap is not None and self.tis_cap != 0 and not self.tis_cap >= 1:
+            raise ValueError(f"RPRConfig.tis_cap={self.tis_cap}: use 0 (off), None (auto) or a cap C >= 1, e.g. 2")
 
 
 class Optimizers(NamedTuple):
@@ -197,6 +213,7 @@ def policy_loss(
     action_mask: torch.Tensor,
     clip_eps: float,
     normalizer: float | torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped surrogate L_clip (module docstring), token mean over action tokens.
 
@@ -207,6 +224,7 @@ def policy_loss(
         action_mask: m, (B, T).
         clip_eps: eps.
         normalizer: N (see ``critic.value_loss``).
+        is_weights: w (B, T), truncated importance weights (``truncated_is_weights``); None: 1.
     Returns:
         (loss, clip_frac): clip_frac = share of action tokens with |rho - 1| > eps (no grad).
     """
@@ -214,9 +232,31 @@ def policy_loss(
     log_ratio = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs))  # (B, T), 0 off-action
     ratio = torch.exp(log_ratio)
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    if is_weights is not None:
+        surrogate = surrogate * is_weights.detach()
     loss = -masked_mean(surrogate, m, normalizer)
     clip_frac = masked_mean(((ratio - 1).abs() > clip_eps).float(), m).detach()
     return loss, clip_frac
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    cap: float,
+) -> tuple[torch.Tensor, float]:
+    """TIS weights w_t = min(exp(logp_old_t - logp_sampler_t), C) and the capped share.
+
+    old_logprobs (trainer, pi_old), sampler_logprobs (the rollout's), action_mask: (B, T).
+    Returns (w (B, T), no grad, 1 off action tokens; share of action tokens with ratio > C).
+    Example: logp_old - logp_sampler = [0, ln 3, -ln 2] on three action tokens, C = 2 ->
+    w = [1, 2, 0.5], capped share 1/3.
+    """
+    m = action_mask.bool()
+    log_ratio = torch.where(m, old_logprobs - sampler_logprobs, torch.zeros_like(old_logprobs)).detach()
+    ratio = torch.exp(log_ratio)  # (B, T)
+    capped = float(masked_mean((ratio > cap).float(), m))
+    return ratio.clamp(max=cap), capped
 
 
 def kl_penalty(
@@ -335,6 +375,9 @@ def prepare_batch(
     was_training = actor.training
     actor.eval()  # no dropout in the "old policy"; restored below
     batch["old_logprobs"] = _nograd_logprobs(actor, batch, cfg, world=world)
+    if cfg.tis_cap:
+        batch["is_weights"] = truncated_is_weights(batch["old_logprobs"], batch["sampler_logprobs"],
+                                                   batch["action_mask"], cfg.tis_cap)[0]
     if cfg.kl_coef > 0:
         model, ctx = _reference(actor, ref_model)
         batch["ref_logprobs"] = _nograd_logprobs(model, batch, cfg, ctx, world)
@@ -403,7 +446,7 @@ def ppo_update(
                                                        cfg.temperature, with_entropy=True,
                                                        entropy_grad=cfg.entropy_coef > 0)
                     l_clip, clip_frac = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], m,
-                                                    cfg.clip_eps, n_tok)
+                                                    cfg.clip_eps, n_tok, mb.get("is_weights"))
                     l_h = masked_mean(entropy, m, n_tok)
                     l_kl = kl_penalty(logprobs, mb["ref_logprobs"], m, n_tok) if cfg.kl_coef > 0 else l_clip * 0
                     l_actor = l_clip + cfg.kl_coef * l_kl - cfg.entropy_coef * l_h
@@ -538,6 +581,7 @@ def run_rpr(
     ref_model: nn.Module | None = None,
     scales_prime: dict[str, float] | None = None,
     optimizers: Optimizers | None = None,
+    after_actor_update: Callable[[nn.Module], dict[str, float]] | None = None,
     world: World = SINGLE,
 ) -> list[dict[str, Any]]:
     """One RPR phase: ``cfg.critic_calibration_updates`` critic-only steps, then ``cfg.steps``
@@ -547,7 +591,10 @@ def run_rpr(
     ``optimizers`` (default: ``make_optimizers``) lets a continuation keep its AdamW state;
     ``ref_model`` is the KL reference (default: see the module docstring; a sharded run passes
     its own sharded copy). ``world`` shards the update (minirsi.distributed); ``rollout_fn`` is
-    then ``world.rollout_fn(...)``, so every rank sees the same episodes."""
+    then ``world.rollout_fn(...)``, so every rank sees the same episodes.
+    ``after_actor_update(actor) -> metrics`` runs after every joint step's update, before the
+    next rollout (the weight sync to inference servers, ``minirsi.weight_sync``); its metrics
+    join the step's record. Calibration steps leave the actor unchanged and do not call it."""
     torch.manual_seed(cfg.seed)
     pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
@@ -571,6 +618,10 @@ def run_rpr(
         metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model, update_actor=phase == "joint",
                              seed=step_seed, world=world)
         t2 = time.perf_counter()
+        synced = after_actor_update(actor) if after_actor_update is not None and phase == "joint" else {}
+        if cfg.tis_cap:
+            metrics["tis_capped_frac"] = truncated_is_weights(batch["old_logprobs"], batch["sampler_logprobs"],
+                                                              batch["action_mask"], cfg.tis_cap)[1]
         record: dict[str, Any] = {
             "step": step, "phase": phase,
             "reward": sum(rewards) / len(rewards),
@@ -579,7 +630,7 @@ def run_rpr(
             "turns": sum(e.turns for e in usable) / len(usable),
             "logprob_gap": logprob_gap(batch),
             "episodes": len(usable), "dropped_episodes": len(episodes) - len(usable),
-            **metrics,
+            **metrics, **synced,
             "rollout_s": t1 - t0, "update_s": t2 - t1,
         }
         history.append(record)

@@ -20,6 +20,24 @@ returns when started with ``--logprobs-mode processed_logprobs``. The tokenizer'
 One generation runs at a time (a lock): the rollout engine already sends every live
 episode's prompt in one request, which HFSampler decodes as one batch.
 
+Weight sync (``minirsi.weight_sync``): the same routes a ``vllm serve`` with minirsi's worker
+extension (``scale/serving/vllm_worker_ext.py``) and ``VLLM_SERVER_DEV_MODE=1`` answers, so the
+trainer's side of the protocol is tested here without a GPU. Each waits for the generation in
+progress (the lock) and answers only when done:
+
+* ``POST /collective_rpc`` {"method": "reload_weights", "args": [dir]}: load the safetensors
+  that ``weight_sync.write_full_weights`` wrote (every parameter, strictly: a missing or extra
+  name is a 400 naming it); also clears the prefix cache.
+* ``POST /reset_prefix_cache``: drop the kept KV caches (they belong to the old weights).
+* ``POST /v1/load_lora_adapter`` {"lora_name", "lora_path"} and ``/v1/unload_lora_adapter``
+  {"lora_name"} (with ``--enable-lora``): a peft adapter directory; a request whose ``model`` is
+  the adapter's name samples with it, the served name samples the base model, any other name
+  is a 404 (as vLLM does).
+
+``prompt_logprobs`` (vLLM's extension, any integer) returns, per prompt, ``None`` then one
+``{"<id>": {"logprob": x}}`` per later prompt token: the untempered log pi(x_t | x_<t) of the
+prompt itself, which the tests and ``WeightSync(verify_tol=...)`` compare with the trainer's.
+
 Run::
 
     minirsi serve --model runs/toy/base --port 8000
@@ -34,10 +52,15 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import torch
+
+from minirsi.models import token_logprobs
 from minirsi.sampler import FINISH_STOP, HFSampler
+from minirsi.weight_sync import read_full_weights
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +69,26 @@ class RequestError(ValueError):
     """A request body the server cannot serve; answered with HTTP 400 and the message."""
 
 
+class NotFound(RequestError):
+    """A model or adapter name the server does not have; answered with HTTP 404."""
+
+
 class CompletionServer(ThreadingHTTPServer):
     """``ThreadingHTTPServer`` holding the sampler; ``serve_forever()`` runs it."""
 
     daemon_threads = True
 
-    def __init__(self, sampler: HFSampler, tokenizer: Any, model_name: str, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(self, sampler: HFSampler, tokenizer: Any, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+                 enable_lora: bool = False):
         super().__init__((host, port), _Handler)
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.enable_lora = enable_lora
+        self.adapters: dict[str, str] = {}
+        """Loaded LoRA adapters: name -> directory."""
+        self.reloads = 0
+        """Full-weight reloads done (tests and logs read it)."""
         self.lock = threading.Lock()
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = [int(eos)] if eos is not None else []
@@ -82,8 +115,9 @@ class CompletionServer(ThreadingHTTPServer):
         want_logprobs = body.get("logprobs") is not None
         as_ids = bool(body.get("return_tokens_as_token_ids", False))
         skip_special = bool(body.get("skip_special_tokens", True))
-        with self.lock:
+        with self.lock, self._weights_for(body.get("model")):
             samples = self.sampler.generate(prompts, max_tokens, temperature, stop_ids, seed=seed)
+            scored = [self._prompt_logprobs(p) for p in prompts] if body.get("prompt_logprobs") is not None else None
         choices = []
         for i, (prompt, s) in enumerate(zip(prompts, samples)):
             ids = list(s.token_ids)
@@ -112,6 +146,8 @@ class CompletionServer(ThreadingHTTPServer):
             if body.get("return_token_ids"):
                 choice["token_ids"] = ids
                 choice["prompt_token_ids"] = list(prompt)
+            if scored is not None:
+                choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(prompt[1:], scored[i])]
             choices.append(choice)
         n_prompt = sum(map(len, prompts))
         n_out = sum(len(s.token_ids) for s in samples)
@@ -123,6 +159,95 @@ class CompletionServer(ThreadingHTTPServer):
             "choices": choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
         }
+
+    # -- weights: which to sample with, reload, LoRA adapters ------------------------------------
+
+    def _weights_for(self, name: Any) -> Any:
+        """The context that makes the sampler use the weights ``name`` asks for (lock held)."""
+        model = self.sampler.model
+        if name in self.adapters:
+            model.set_adapter(name)
+            return nullcontext()
+        if self.enable_lora and name != self.model_name:
+            raise NotFound(f"The model `{name}` does not exist: serve {self.model_name!r} or a loaded adapter "
+                           f"{sorted(self.adapters)}")
+        return model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        """Untempered log pi(x_t | x_<t), t = 1 .. len - 1, of one prompt (lock held)."""
+        model = self.sampler.model
+        ids = torch.tensor([prompt], device=self.sampler.device)
+        was_training = model.training
+        model.eval()
+        try:
+            return token_logprobs(model, ids)[0, 1:].tolist()
+        finally:
+            model.train(was_training)
+
+    def collective_rpc(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's dev-mode ``/collective_rpc``: only the worker extension's ``reload_weights``."""
+        method, args = body.get("method"), body.get("args") or []
+        if method != "reload_weights" or len(args) != 1 or not isinstance(args[0], str):
+            raise RequestError(f"collective_rpc method={method!r} args={args!r}: this server implements only "
+                               "'reload_weights' with one argument, the directory to load")
+        with self.lock:
+            model = self.sampler.model
+            if hasattr(model, "peft_config"):
+                raise RequestError("reload_weights with LoRA adapters loaded: sync LoRA servers with "
+                                   "/v1/load_lora_adapter, or restart the server without --enable-lora")
+            try:
+                state = read_full_weights(args[0])
+            except (OSError, ValueError) as e:
+                raise RequestError(f"reload_weights {args[0]}: {e}") from None
+            missing = sorted(set(model.state_dict()) - set(state))
+            extra = sorted(set(state) - set(model.state_dict()))
+            if missing or extra:
+                raise RequestError(f"reload_weights {args[0]}: missing {missing[:5]}, unexpected {extra[:5]}: "
+                                   "not this model's parameters")
+            model.load_state_dict(state, strict=True)
+            self.sampler.clear_cache()
+            self.reloads += 1
+        logger.info("reloaded weights from %s (reload %d)", args[0], self.reloads)
+        return {"results": [{"reloaded": args[0], "reloads": self.reloads}]}
+
+    def reset_prefix_cache(self) -> None:
+        with self.lock:
+            self.sampler.clear_cache()
+
+    def load_lora_adapter(self, body: dict[str, Any]) -> str:
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not self.enable_lora:
+            raise RequestError("LoRA is not enabled on this server; start it with --enable-lora")
+        if not isinstance(name, str) or not name or not isinstance(path, str):
+            raise RequestError("load_lora_adapter needs 'lora_name' and 'lora_path' strings")
+        with self.lock:
+            if name in self.adapters:
+                raise RequestError(f"The lora adapter '{name}' has already been loaded; load it under a new name")
+            model = self.sampler.model
+            try:
+                if hasattr(model, "load_adapter") and hasattr(model, "peft_config"):
+                    model.load_adapter(path, adapter_name=name)
+                else:
+                    from peft import PeftModel
+
+                    self.sampler.model = PeftModel.from_pretrained(model, path, adapter_name=name)
+            except (OSError, ValueError) as e:
+                raise RequestError(f"load_lora_adapter {name} from {path}: {e}") from None
+            self.sampler.model.eval()
+            self.adapters[name] = path
+            self.sampler.clear_cache()
+        logger.info("loaded LoRA adapter %s from %s", name, path)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_lora_adapter(self, body: dict[str, Any]) -> str:
+        name = body.get("lora_name")
+        with self.lock:
+            if name not in self.adapters:
+                raise NotFound(f"The lora adapter '{name}' cannot be found; loaded: {sorted(self.adapters)}")
+            self.sampler.model.delete_adapter(name)
+            del self.adapters[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -152,6 +277,9 @@ def _int(body: dict[str, Any], key: str, default: int) -> int:
 class _Handler(BaseHTTPRequestHandler):
     server: CompletionServer
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY: the headers and the body go out in two writes, and with Nagle's algorithm the
+    # body waited for the client's delayed ACK: 52 ms a request on loopback, 4.8 ms without.
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route http.server's log to logging
         logger.debug("%s " + fmt, self.address_string(), *args)
@@ -177,15 +305,35 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, f"no route {self.path}; use POST /v1/completions")
 
     def do_POST(self) -> None:
-        if self.path != "/v1/completions":
-            self._error(404, f"no route {self.path}; use POST /v1/completions")
+        srv = self.server
+        routes = {
+            "/v1/completions": srv.complete,
+            "/collective_rpc": srv.collective_rpc,
+            "/reset_prefix_cache": lambda body: srv.reset_prefix_cache(),
+            "/v1/load_lora_adapter": srv.load_lora_adapter,
+            "/v1/unload_lora_adapter": srv.unload_lora_adapter,
+        }
+        path = self.path.split("?", 1)[0]
+        if path not in routes:
+            self._error(404, f"no route {self.path}; POST one of {sorted(routes)}")
             return
         try:
             length = int(self.headers.get("Content-Length", "0"))
-            body = json.loads(self.rfile.read(length) or b"{}")
+            body = json.loads(self.rfile.read(length) or b"{}") or {}
             if not isinstance(body, dict):
                 raise RequestError("the request body must be a JSON object")
-            self._send(200, self.server.complete(body))
+            answer = routes[path](body)
+            if isinstance(answer, str):  # vLLM answers the LoRA routes with plain text
+                data = answer.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            else:
+                self._send(200, answer if answer is not None else {})
+        except NotFound as e:
+            self._error(404, str(e))
         except (RequestError, json.JSONDecodeError, ValueError) as e:
             self._error(400, str(e))
         except Exception as e:  # a generation crash must answer 500, not drop the connection
@@ -208,6 +356,7 @@ def cli(argv: list[str] | None = None, command: str = "serve") -> int:
     parser.add_argument("--served-model-name", default=None, help="name clients send (default: --model)")
     parser.add_argument("--max-batch-size", type=int, default=None, help="decode at most this many prompts at once")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--enable-lora", action="store_true", help="accept /v1/load_lora_adapter (as vLLM's flag)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -220,6 +369,7 @@ def cli(argv: list[str] | None = None, command: str = "serve") -> int:
         args.served_model_name or args.model,
         args.host,
         args.port,
+        enable_lora=args.enable_lora,
     )
     print(f"minirsi serve: {server.url}/v1/completions (model {server.model_name})", flush=True)
     try:

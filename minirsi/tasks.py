@@ -16,15 +16,15 @@ A task is a directory::
 ``Task.environment``; minirsi reads ``memory_mb``/``memory`` as the sandbox memory limit and
 ignores the rest (sandboxes are always offline). minirsi adds:
 
-- ``workdir`` (default ``/app``): where the agent starts and where ``environment/`` files land.
+- ``workdir`` (default: the Dockerfile's last ``WORKDIR`` if there is one, else ``/app``): where
+  the agent starts and where ``environment/`` files land (a task without a Dockerfile).
 - ``setup`` (default none): a script inside ``environment/``, run as the agent's user in the
   work directory, offline, before the agent starts (``setup_timeout_sec``, default 60). It is
   not copied into the work directory. It cannot leave services running (its jail ends).
-- ``runs_on_base`` (default false): only read when ``environment/Dockerfile`` exists. The local
-  bubblewrap backend cannot build images: it runs every task on the base rootfs. A task with a
-  Dockerfile opens there only if it sets ``runs_on_base = true`` (it promises that the base
-  rootfs plus ``environment/`` files and ``setup`` reproduce the image); otherwise opening it
-  raises ``SandboxError`` telling to use ``--backend docker``.
+- ``runs_on_base`` (default false): only read when ``environment/Dockerfile`` exists. On the
+  local bubblewrap backend a task with a Dockerfile runs on its prepared environment layer
+  (``minirsi task prepare``; minirsi/layers.py). ``runs_on_base = true`` skips the Dockerfile
+  there instead: the base rootfs plus ``environment/`` files and ``setup`` stand for the image.
 - ``[environment.env]`` (default none): variables set in the agent's shell and the setup
   script, NAME = "value" (the toy git tasks fix the commit clock with them, so that commit
   hashes, which the agent reads, repeat between runs).
@@ -42,6 +42,7 @@ Call::
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 import tomllib
@@ -59,6 +60,22 @@ DEFAULT_VERIFIER_TIMEOUT_SEC = 300.0
 DEFAULT_WORKDIR = "/app"
 # Paths the sandbox mounts itself; a task's workdir may not sit on or under them.
 _RESERVED_DIRS = ("/tests", "/logs", "/proc", "/dev", "/sys", "/tmp", "/opt/minirsi", "/solution")
+# The task.toml keys Harbor (schema 1.0 and 1.1) and minirsi read: anything else is a typo
+# (reported with the nearest of these) except in [metadata] and [task], which are free-form
+# (there only a near miss of a known key is reported).
+KNOWN_KEYS: dict[str, tuple[str, ...]] = {
+    "": ("version", "schema_version", "artifacts", "task", "metadata", "agent", "verifier", "environment", "solution",
+         "source"),
+    "metadata": ("difficulty", "category", "tags", "author_name", "author_email", "expert_time_estimate_min",
+                 "junior_time_estimate_min"),
+    "agent": ("timeout_sec", "user"),
+    "verifier": ("timeout_sec", "env", "user"),
+    "solution": ("env",),
+    "environment": ("build_timeout_sec", "docker_image", "cpus", "memory_mb", "memory", "storage_mb", "storage",
+                    "gpus", "gpu_types", "allow_internet", "mcp_servers", "env", "workdir", "setup",
+                    "setup_timeout_sec", "runs_on_base"),
+}
+_FREE_FORM = ("metadata", "task")
 
 
 class TaskError(ValueError):
@@ -121,6 +138,12 @@ class Task:
         return p if p.is_file() else None
 
     @property
+    def uses_layer(self) -> bool:
+        """On the local backend this task runs on a prepared environment layer (it has a
+        Dockerfile and does not set ``runs_on_base``)."""
+        return self.dockerfile is not None and not self.environment.get("runs_on_base", False)
+
+    @property
     def setup_script(self) -> Path | None:
         name = self.environment.get("setup")
         return self.environment_dir / name if name else None
@@ -146,7 +169,9 @@ class Task:
 def _parse_size_mb(path: Path, field_name: str, value: Any) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)[bB]?\s*", str(value))
     if not m:
-        raise TaskError(path, field_name, f"cannot read size {value!r}", 'write e.g. "2G", "512M" or use memory_mb = 2048')
+        raise TaskError(path, field_name, f"cannot read size {value!r}",
+                        f'replace {field_name.rpartition(".")[2]} = {_toml_repr(value)} with a size such as "2G" or "512M" '
+                        '(or use memory_mb = 2048)')
     scale = {"": 1 / (1 << 20), "k": 1 / 1024, "m": 1, "g": 1024}[m.group(2).lower()]
     return max(1, int(float(m.group(1)) * scale))
 
@@ -157,8 +182,73 @@ def _positive(path: Path, field_name: str, value: Any, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         section, _, key = field_name.rpartition(".")
         where = f" under [{section}]" if section else ""
-        raise TaskError(path, field_name, f"must be a positive number, got {value!r}", f"write {key} = {default}{where}")
+        hint = _number_hint(value)
+        raise TaskError(path, field_name, f"must be a positive number, got {value!r}",
+                        f"replace {key} = {_toml_repr(value)}{where} with a positive number"
+                        + (f", e.g. {key} = {hint}" if hint else ""))
     return float(value)
+
+
+def _toml_repr(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def _number_hint(value: Any) -> str | None:
+    """What the user probably meant by a bad number: "600" -> 600, -5 -> 5, "10m" -> 600."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)?\s*", value)
+        if m:
+            scale = {None: 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}[m.group(2)]
+            return repr(float(m.group(1)) * scale)
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        return repr(-value)
+    return None
+
+
+def check_keys(source: Path, config: dict[str, Any]) -> None:
+    """Raise TaskError for an unknown section or key, naming the nearest known one (difflib)."""
+    def near(name: str, known: tuple[str, ...]) -> str | None:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+        return close[0] if close else None
+
+    for key, value in config.items():
+        if key not in KNOWN_KEYS[""]:
+            guess = near(key, KNOWN_KEYS[""])
+            kind = "section" if isinstance(value, dict) else "key"
+            shown = f"[{key}]" if kind == "section" else key
+            raise TaskError(source, shown, f"unknown {kind}",
+                            f"rename {shown} to " + (f"[{guess}]" if kind == "section" else guess) if guess
+                            else f"remove {shown} (known: {', '.join(KNOWN_KEYS[''])})")
+    for section, known in KNOWN_KEYS.items():
+        table = config.get(section) if section else None
+        if not isinstance(table, dict):
+            continue
+        for key in table:
+            if key in known:
+                continue
+            guess = near(key, known)
+            if guess is None and section in _FREE_FORM:
+                continue
+            raise TaskError(source, f"{section}.{key}", "unknown key",
+                            f"rename {key} to {guess} under [{section}]" if guess
+                            else f"remove {key} from [{section}] (known: {', '.join(known)})")
+
+
+def dockerfile_workdir(dockerfile: Path) -> str | None:
+    """The last absolute WORKDIR of a Dockerfile (a lenient scan; the full parse is in dockerfile.py)."""
+    found = None
+    try:
+        text = dockerfile.read_text(errors="replace")
+    except OSError:
+        return None
+    for m in re.finditer(r"(?im)^\s*WORKDIR\s+(\S+)\s*$", text):
+        value = m.group(1).strip('"')
+        if value.startswith("/") and "$" not in value:
+            found = value
+    return found
 
 
 def _common(path: Path, source: Path, meta: dict[str, Any], instruction: str, fields: dict[str, str]) -> dict[str, Any]:
@@ -170,32 +260,48 @@ def _common(path: Path, source: Path, meta: dict[str, Any], instruction: str, fi
         raise TaskError(source, fields["category"], f"missing or not a string ({family!r})", 'add category = "<family>" (the task family f)')
     difficulty = meta.get("difficulty")
     if difficulty not in DIFFICULTIES:
-        raise TaskError(source, fields["difficulty"], f"got {difficulty!r}", f"use one of {', '.join(DIFFICULTIES)}")
+        guess = difflib.get_close_matches(str(difficulty).strip().lower(), DIFFICULTIES, n=1, cutoff=0.6)
+        raise TaskError(source, fields["difficulty"], f"got {difficulty!r}",
+                        f"replace {_toml_repr(difficulty)} with " + (f'"{guess[0]}"' if guess else "")
+                        + ("" if guess else f"one of {', '.join(DIFFICULTIES)}"))
     tags = meta.get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise TaskError(source, fields["tags"], f"must be a list of strings, got {tags!r}", 'write tags = ["a", "b"]')
+        raise TaskError(source, fields["tags"], f"must be a list of strings, got {tags!r}",
+                        f"replace tags = {_toml_repr(tags)} with a list of strings, e.g. tags = [{_toml_repr(str(tags))}]"
+                        if not isinstance(tags, list) else 'write every tag as a string, e.g. tags = ["a", "b"]')
     return dict(task_id=path.name, path=path, instruction=instruction, family=family.strip(), difficulty=difficulty, tags=tuple(tags))
 
 
 def _check_environment(path: Path, source: Path, env: dict[str, Any]) -> str:
-    workdir = env.get("workdir", DEFAULT_WORKDIR)
+    workdir = env.get("workdir")
+    if workdir is None:  # a Dockerfile's last WORKDIR, as in its image, if the sandbox can use it
+        workdir = DEFAULT_WORKDIR
+        from_docker = dockerfile_workdir(path / "environment" / "Dockerfile")
+        if from_docker and from_docker.strip("/") and not any(
+                from_docker.rstrip("/") == r or from_docker.startswith(r + "/") or r.startswith(from_docker.rstrip("/") + "/")
+                for r in _RESERVED_DIRS):
+            workdir = from_docker
     if not isinstance(workdir, str) or not workdir.startswith("/") or workdir.rstrip("/") == "" or ".." in workdir.split("/"):
-        raise TaskError(source, "environment.workdir", f"must be an absolute path other than /, got {workdir!r}", 'use workdir = "/app"')
+        raise TaskError(source, "environment.workdir", f"must be an absolute path other than /, got {workdir!r}",
+                        f'replace workdir = {_toml_repr(workdir)} with an absolute path such as "/app"')
     workdir = "/" + workdir.strip("/")
     for reserved in _RESERVED_DIRS:
         if workdir == reserved or workdir.startswith(reserved + "/") or reserved.startswith(workdir + "/"):
-            raise TaskError(source, "environment.workdir", f"{workdir} overlaps {reserved}, which the sandbox mounts itself", 'use workdir = "/app"')
+            raise TaskError(source, "environment.workdir", f"{workdir} overlaps {reserved}, which the sandbox mounts itself",
+                            f'replace workdir = "{workdir}" with a path outside {reserved}, such as "/app"')
     setup = env.get("setup")
     if setup is not None:
         if not isinstance(setup, str) or not (path / "environment" / setup).is_file() or ".." in Path(setup).parts:
-            raise TaskError(source, "environment.setup", f"{setup!r} is not a file inside environment/", "put the script in environment/ and name it relative to it")
+            raise TaskError(source, "environment.setup", f"{setup!r} is not a file inside environment/",
+                            f"put {setup!r} in environment/ and name it relative to it (setup = \"name.sh\")")
     for key in ("setup_timeout_sec", "memory_mb"):
         if key in env:
             _positive(source, f"environment.{key}", env[key], 1.0)
     if "memory" in env and "memory_mb" not in env:
         _parse_size_mb(source, "environment.memory", env["memory"])
     if "runs_on_base" in env and not isinstance(env["runs_on_base"], bool):
-        raise TaskError(source, "environment.runs_on_base", f"must be true or false, got {env['runs_on_base']!r}", "write runs_on_base = true")
+        raise TaskError(source, "environment.runs_on_base", f"must be true or false, got {env['runs_on_base']!r}",
+                        f"replace runs_on_base = {_toml_repr(env['runs_on_base'])} with true or false")
     return workdir
 
 
@@ -211,6 +317,7 @@ def _load_harbor(path: Path) -> Task:
     for section in ("metadata", "agent", "verifier", "environment"):
         if not isinstance(config.get(section, {}), dict):
             raise TaskError(source, f"[{section}]", "must be a table", f"write a [{section}] section")
+    check_keys(source, config)
     meta = config.get("metadata", {})
     common = _common(path, source, meta, instruction_md.read_text(), {
         "instruction": "instruction.md", "category": "metadata.category",

@@ -9,7 +9,8 @@ After the agent stops, ``verify(sandbox, task)``:
 3. runs ``bash /tests/test.sh`` (TB1: ``run-tests.sh``) with ``[verifier] timeout_sec``,
 4. reads the outcome::
 
-       S = 1  iff  /logs/verifier/reward.txt holds 1     (the terminal gate)
+       S = 1  iff  /logs/verifier/reward.txt holds 1     (the terminal gate; without it,
+                   Harbor's reward.json {"reward": 1} counts the same)
        P = #{non-hygiene checks that passed}
        C = #{non-hygiene checks}                          (failed, errored, skipped included)
 
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import logging
 import shutil
 import tempfile
@@ -180,6 +182,17 @@ def _file_checks(stem: str, text: str) -> tuple[tuple[str, bool], ...]:
         return tuple(found)
 
 
+def _reward_from_json(raw: bytes | None) -> bytes | None:
+    """Harbor's other reward file: reward.json holding {"reward": <number>, ...}."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw).get("reward")
+    except (ValueError, AttributeError):
+        return b"(unreadable reward.json)"
+    return str(value).encode()
+
+
 def _read_reward(raw: bytes | None) -> tuple[bool, str | None]:
     if raw is None:
         return False, "test.sh wrote no /logs/verifier/reward.txt"
@@ -234,7 +247,9 @@ def verify(sandbox: Sandbox, task: Task) -> VerifierResult:
     if task.layout == "tb1" and "reward.txt" not in run.files:
         success = run.exit_code == 0 and bool(checks) and all(o == "passed" for o in checks.values())
     else:
-        success, reward_error = _read_reward(run.files.get("reward.txt"))
+        raw = run.files.get("reward.txt")
+        success, reward_error = _read_reward(raw if raw is not None or "reward.json" not in run.files
+                                             else _reward_from_json(run.files["reward.json"]))
         if reward_error:
             errors.append(reward_error)
     if run.timed_out:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serve a policy with vLLM for minirsi rollouts: token ids in, token ids and processed
-# log-probs out, over vLLM's OpenAI-compatible /v1/completions.
+# log-probs out, over vLLM's OpenAI-compatible /v1/completions; weights reloaded by the trainer.
 #
 #   pip install "minirsi[scale]"                  # on the GPU serving nodes only
 #   bash scale/serve_vllm.sh RUN_DIR/stages/01-rsr1/actor 8000
@@ -13,12 +13,20 @@
 #                                       lacks the per-request return_token_ids field
 #   --max-logprobs 1                    minirsi asks only for the sampled token's log-prob
 #   --served-model-name policy          a stable name while checkpoints change underneath
+#   --worker-extension-cls              scale/serving/vllm_worker_ext.py: reload_weights(dir)
+#   VLLM_SERVER_DEV_MODE=1              exposes /collective_rpc and /reset_prefix_cache, which
+#                                       the trainer's weight sync calls: private network only
+#   VLLM_ALLOW_RUNTIME_LORA_UPDATING    lets the trainer hot-load LoRA adapters
 # Extra arguments go to `vllm serve` unchanged (e.g. --tensor-parallel-size 8 for 27B,
-# --enable-lora --max-lora-rank 64 for LoRA hot-loading).
+# --enable-lora --max-lora-rank 64 --max-loras 2 for LoRA hot-loading).
 set -euo pipefail
 MODEL="${1:?usage: serve_vllm.sh MODEL_NAME_OR_DIR [PORT] [vllm serve args...]}"
 PORT="${2:-8000}"
 shift $(( $# >= 2 ? 2 : 1 ))
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export PYTHONPATH="$HERE/serving${PYTHONPATH:+:$PYTHONPATH}"
+export VLLM_SERVER_DEV_MODE=1
+export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
 exec vllm serve "$MODEL" \
   --host 127.0.0.1 --port "$PORT" \
   --served-model-name policy \
@@ -26,4 +34,5 @@ exec vllm serve "$MODEL" \
   --return-tokens-as-token-ids \
   --max-logprobs 1 \
   --enable-prefix-caching \
+  --worker-extension-cls vllm_worker_ext.MinirsiWorkerExtension \
   "$@"

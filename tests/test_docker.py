@@ -127,3 +127,47 @@ def test_unreachable_engine_is_a_sandbox_error(monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
     with pytest.raises(SandboxError, match="dockerd.sh"):
         open_sandbox(HELLO, backend="docker")
+
+
+def _tb2_copy(tmp_path, dockerfile: str | None = None, image: str | None = None) -> Path:
+    import shutil
+
+    d = tmp_path / f"t{time.monotonic_ns()}"
+    shutil.copytree(FIXTURES / "tb2" / "word-stats", d)
+    if dockerfile is not None:
+        (d / "environment" / "Dockerfile").write_text(dockerfile)
+    if image is not None:
+        toml = d / "task.toml"
+        toml.write_text(toml.read_text().replace('docker_image = "minirsi/word-stats:fixture"', f'docker_image = "{image}"'))
+    return d
+
+
+def test_docker_image_is_used_when_the_engine_has_it(tmp_path):
+    from minirsi.sandbox.docker import BASE_IMAGE, client_from_env
+
+    client = client_from_env()
+    name = f"minirsi-test/loaded:{os.getpid()}"  # stands for an image the user `docker load`ed
+    client.images.get(BASE_IMAGE).tag(name)
+    try:
+        task = load_task(_tb2_copy(tmp_path, dockerfile="FROM python:3.13-slim-bookworm\nRUN exit 3\n", image=name))
+        with open_sandbox(task, backend="docker") as s:  # the Dockerfile (which would fail) is not built
+            assert s.image == name and s.run("echo ok", timeout=10).output == "ok\n"
+    finally:
+        client.images.remove(name)
+
+
+def test_missing_from_falls_back_to_the_base_image_with_a_warning(tmp_path, caplog):
+    task = load_task(_tb2_copy(tmp_path, dockerfile="FROM debian:bookworm-slim\nWORKDIR /app\nCOPY count_hint.txt /app/\n"))
+    with caplog.at_level("WARNING"), open_sandbox(task, backend="docker") as s:
+        assert s.run("cat /app/count_hint.txt | cut -c1-4", timeout=10).output == "Tip:\n"
+    assert "FROM debian:bookworm-slim is not in the Docker engine" in caplog.text and "minirsi-base:bookworm" in caplog.text
+
+
+@pytest.mark.slow
+def test_build_that_needs_the_network_fails_in_one_line(tmp_path):
+    task = load_task(_tb2_copy(tmp_path))  # RUN apt-get install: needs the Debian mirror
+    with pytest.raises(SandboxError) as info:
+        open_sandbox(task, backend="docker")
+    msg = str(info.value)
+    assert "\n" not in msg and "needs a registry or package mirror" in msg and "RUN apt-get" in msg
+    assert "docker load" in msg and f"minirsi task prepare {task.path}" in msg

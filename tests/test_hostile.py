@@ -1,6 +1,8 @@
 """Hostile agents: every attack is contained, scores 0, leaves the host unchanged, and the next
 episode starts clean. Each test plays a whole episode on the `hello` fixture (solved by writing
-`hello` into /app/greeting.txt) with the attack, then runs the verifier.
+`hello` into /app/greeting.txt) with the attack, then runs the verifier; twice: on the base
+rootfs, and on a prepared environment layer (hello with a Dockerfile that COPYs input.txt),
+where the layer directory must come out unchanged too.
 """
 
 from __future__ import annotations
@@ -13,13 +15,33 @@ from pathlib import Path
 
 import pytest
 
+from minirsi.layers import cache_dir, prepare
 from minirsi.sandbox import open_sandbox
 from minirsi.sandbox.bwrap import default_rootfs
 from minirsi.tasks import load_task
 from minirsi.verifier import verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
-HELLO = load_task(FIXTURES / "good" / "hello")
+HELLO = load_task(FIXTURES / "good" / "hello")  # the `base` fixture swaps in the layered copy
+
+
+def _layered_hello(root: Path):
+    """hello with environment/Dockerfile, prepared into a private layer cache (no network)."""
+    d = root / "hello"
+    shutil.copytree(FIXTURES / "good" / "hello", d)
+    (d / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\nCOPY input.txt /app/\n")
+    os.environ["MINIRSI_LAYERS"] = str(root / "layers")
+    task = load_task(d)
+    prepare(task, default_rootfs())
+    with open_sandbox(task) as sb:
+        assert sb.prepared is not None  # the episodes below really run on the layer
+    return task
+
+
+def _layers_state() -> list[tuple[str, int, int]]:
+    root = cache_dir()
+    return sorted((os.path.join(d, n), os.lstat(os.path.join(d, n)).st_size, os.lstat(os.path.join(d, n)).st_mtime_ns)
+                  for d, dirs, files in os.walk(root) for n in dirs + files) if root.is_dir() else []
 
 
 def _host_state(base: Path) -> dict[str, object]:
@@ -32,24 +54,35 @@ def _host_state(base: Path) -> dict[str, object]:
         "host_hostname": Path("/etc/hostname").read_text() if Path("/etc/hostname").exists() else None,
         "host_net": sorted(os.listdir("/sys/class/net")),
         "sandbox_dirs": sorted(p.name for p in base.iterdir() if not p.name.startswith(".")),
+        "layers": _layers_state(),
     }
 
 
-@pytest.fixture(scope="module")
-def base():
+@pytest.fixture(scope="module", params=["rootfs", "layer"])
+def base(request):
     """A private sandbox base directory, so that other users of the machine do not disturb the
     before/after comparison; world-traversable, as the sandbox's unprivileged uid needs."""
+    global HELLO
     d = Path(tempfile.mkdtemp(prefix="minirsi-hostile-", dir="/tmp"))
     os.chmod(d, 0o755)
-    old = os.environ.get("MINIRSI_SANDBOX_TMP")
+    saved = {k: os.environ.get(k) for k in ("MINIRSI_SANDBOX_TMP", "MINIRSI_LAYERS")}
     os.environ["MINIRSI_SANDBOX_TMP"] = str(d)
+    plain = HELLO = load_task(FIXTURES / "good" / "hello")
+    if request.param == "layer":
+        if os.geteuid() != 0:
+            pytest.skip("environment layers need root (preparation and the overlay mount)")
+        HELLO = _layered_hello(Path(tempfile.mkdtemp(prefix="minirsi-hostile-layer-")))
     before = _host_state(d)
     yield d
     after = _host_state(d)
-    if old is None:
-        del os.environ["MINIRSI_SANDBOX_TMP"]
-    else:
-        os.environ["MINIRSI_SANDBOX_TMP"] = old
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if HELLO is not plain:
+        shutil.rmtree(HELLO.path.parent, ignore_errors=True)
+        HELLO = plain
     assert after == before, "a hostile episode changed the host"
     shutil.rmtree(d, ignore_errors=True)
 

@@ -7,6 +7,7 @@ tests do not skip.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -125,8 +126,6 @@ def test_setup_script_runs_before_the_agent():
 def test_setup_script_of_a_task_under_a_private_directory(tmp_path):
     # pytest's tmp_path is mode 0700: the sandbox's unprivileged host uid cannot traverse it,
     # so the setup script must be staged, not bound from the task's own path.
-    import shutil
-
     os.chmod(tmp_path, 0o700)
     shutil.copytree(FIXTURES / "good" / "with_setup", tmp_path / "with_setup")
     with open_sandbox(load_task(tmp_path / "with_setup")) as s:
@@ -134,8 +133,6 @@ def test_setup_script_of_a_task_under_a_private_directory(tmp_path):
 
 
 def test_task_env_reaches_the_shell_and_the_setup(tmp_path):
-    import shutil
-
     os.chmod(tmp_path, 0o755)
     shutil.copytree(FIXTURES / "good" / "with_setup", tmp_path / "t")
     toml = tmp_path / "t" / "task.toml"
@@ -146,9 +143,17 @@ def test_task_env_reaches_the_shell_and_the_setup(tmp_path):
         assert s.run('echo "$TOY_CLOCK"; cat clock.txt', timeout=10).output == "2026-01-01\n2026-01-01\n"
 
 
-def test_dockerfile_task_is_refused_clearly():
-    task = load_task(FIXTURES / "docker_only" / "with_dockerfile")
-    with pytest.raises(SandboxError, match="runs_on_base"):
+def test_dockerfile_task_is_refused_clearly(tmp_path, monkeypatch):
+    # FROM an image with no local equivalent: the error names the line and the way out
+    shutil.copytree(FIXTURES / "docker_only" / "with_dockerfile", tmp_path / "alpine")
+    (tmp_path / "alpine" / "environment" / "Dockerfile").write_text("FROM alpine:3.19\nWORKDIR /app\n")
+    task = load_task(tmp_path / "alpine")
+    with pytest.raises(SandboxError, match=r"Dockerfile:1: .*no local equivalent.*Fix: .*--backend docker"):
+        open_sandbox(task)
+    # a Dockerfile the local backend can replay, not prepared yet: the error names the command
+    monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "layers"))
+    task = load_task(FIXTURES / "tb2" / "word-stats")
+    with pytest.raises(SandboxError, match=f"Fix: minirsi task prepare {task.path}"):
         open_sandbox(task)
 
 

@@ -136,3 +136,48 @@ def test_any_unknown_difficulty_is_rejected(tmp_path_factory, difficulty):
 def test_size_parsing(n, unit):
     mb = _parse_size_mb(Path("task.toml"), "environment.memory", f"{n}{unit}")
     assert mb == (n * 1024 if unit.lower().startswith("g") else n)
+
+
+@pytest.mark.parametrize("edit, field_name, fix", [
+    (("[environment]", "[enviroment]"), "[enviroment]", "rename [enviroment] to [environment]"),
+    (('difficulty = "easy"', 'dificulty = "easy"\ndifficulty = "easy"'), "metadata.dificulty",
+     "rename dificulty to difficulty under [metadata]"),
+    (('workdir = "/app"', 'workdir = "/app"\nrun_on_base = true'), "environment.run_on_base",
+     "rename run_on_base to runs_on_base under [environment]"),
+    (("timeout_sec = 60.0", "timeout_sec = -5"), "agent.timeout_sec", "replace timeout_sec = -5 under [agent] with a "
+     "positive number, e.g. timeout_sec = 5"),
+    (("timeout_sec = 60.0", 'timeout_sec = "10m"'), "agent.timeout_sec", 'replace timeout_sec = "10m"'),
+    (('difficulty = "easy"', 'difficulty = "Hard"'), "metadata.difficulty", 'replace "Hard" with "hard"'),
+    (("[agent]", "[agent]\nmax_turns = 3"), "agent.max_turns", "remove max_turns from [agent] (known: timeout_sec"),
+    (('workdir = "/app"', 'workdir = "/tests/x"'), "environment.workdir", 'replace workdir = "/tests/x" with a path'),
+    (('workdir = "/app"', 'workdir = "app"'), "environment.workdir", 'replace workdir = "app" with an absolute path'),
+    (('workdir = "/app"', 'memory = "lots"'), "environment.memory", 'replace memory = "lots" with a size'),
+    (('tags = ["fixture"]', 'tags = "fixture"'), "metadata.tags", 'replace tags = "fixture" with a list of strings, '
+     'e.g. tags = ["fixture"]'),
+])
+def test_unknown_keys_and_bad_values_name_the_fix(tmp_path, edit, field_name, fix):
+    shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text(toml.read_text().replace(*edit, 1))
+    with pytest.raises(TaskError) as info:
+        load_task(tmp_path / "t")
+    assert info.value.field_name == field_name and fix in str(info.value), str(info.value)
+
+
+def test_free_form_metadata_and_harbor_schema_keys_load(tmp_path):
+    shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text('schema_version = "1.1"\nartifacts = []\n[task]\nname = "x/hello"\nkeywords = ["a"]\n'
+                    + toml.read_text().replace("[metadata]", '[metadata]\nsource_url = "https://example.com"')
+                    + "\ngpus = 0\nallow_internet = false\nmcp_servers = []\n[solution.env]\n")
+    assert load_task(tmp_path / "t").task_id == "t"
+
+
+def test_dockerfile_workdir_is_the_default_workdir(tmp_path):
+    shutil.copytree(FIXTURES / "tb2" / "word-stats", tmp_path / "t")
+    df = tmp_path / "t" / "environment" / "Dockerfile"
+    df.write_text(df.read_text() + "WORKDIR /srv/site\n")
+    assert load_task(tmp_path / "t").workdir == "/srv/site"
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text(toml.read_text() + 'workdir = "/app"\n')  # task.toml wins
+    assert load_task(tmp_path / "t").workdir == "/app"

@@ -155,7 +155,8 @@ def test_tb1_task_without_reward_file():
 def test_task_check_cli(capsys):
     assert cli(["check", str(FIXTURES / "good"), "--jobs", "2"]) == 0
     out = capsys.readouterr().out
-    assert "3/3 tasks ok, 0 invalid" in out and "hello" in out
+    assert "3 passed, 0 failed, 0 invalid (of 3 tasks); empty run executed every check and all failed: 3/3" in out
+    assert "hello" in out
     assert cli(["check", str(FIXTURES / "good" / "hello"), str(FIXTURES / "malformed" / "bad_toml")]) == 1
     assert "INVALID" in capsys.readouterr().out
 
@@ -204,3 +205,17 @@ def test_hygiene_property_matches_the_plugin():
     from minirsi.verifier import HYGIENE_PROPERTY
 
     assert junit_plugin.HYGIENE_PROPERTY == HYGIENE_PROPERTY
+
+
+def test_harbor_reward_json_counts_when_there_is_no_reward_txt(tmp_path):
+    d = _task_copy(tmp_path)
+    (d / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ncd /app\npytest -q -p no:cacheprovider /tests/test_outputs.py\n"
+        "if [ $? -eq 0 ]; then r=1; else r=0; fi\necho \"{\\\"reward\\\": $r, \\\"other\\\": 0}\" > /logs/verifier/reward.json\n")
+    task = load_task(d)
+    with open_sandbox(task) as sb:
+        sb.run("echo hello > greeting.txt", timeout=10)
+        assert verify(sb, task).success
+    with open_sandbox(task) as sb:
+        r = verify(sb, task)
+    assert not r.success and r.error is None

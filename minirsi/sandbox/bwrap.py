@@ -8,6 +8,13 @@ The jail of one episode::
     <workdir>      read-write: a fresh host copy of environment/ (minus Dockerfile and setup)
     /etc/passwd    the rootfs's, plus `agent` (uid 1000, HOME=/tmp)
 
+A task with ``environment/Dockerfile`` runs on its prepared layers (minirsi/layers.py): ``/`` is
+then a read-only overlay of the environment layer over the rootfs, the work directory a fresh
+copy of what the layer holds at the workdir, and the Dockerfile's ENV is set. Its verifier runs
+as uid 0 inside the jail (as Harbor runs test.sh as root; still mapped to the unprivileged
+host uid), over the test tools' layers, with the offline stand-ins of verifier_shims.py first
+on PATH (/opt/minirsi/bin) and HOME=/tmp.
+
 namespaces: user (uid/gid 1000 inside), pid, net (no interface but a down loopback: offline),
 ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and ``solution/`` are never
 mounted while the agent acts.
@@ -36,6 +43,7 @@ import logging
 import os
 import random
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -53,6 +61,18 @@ SANDBOX_UID = 1000  # the agent's uid inside the jail
 UID_BASE, UID_COUNT = 200000, 60000  # host uids leased to sandboxes when running as root
 _ENV_SKIP = {"Dockerfile", ".dockerignore", "docker-compose.yaml", "docker-compose.yml"}
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SHIM_BIN = "/opt/minirsi/bin"
+SHIM_SOURCE = Path(__file__).parent / "verifier_shims.py"
+SHIMS = ("apt-get", "apt", "curl", "uv", "uvx", "sudo", "pip", "pip3", "pytest")
+
+
+def _is_whiteout(path: str) -> bool:
+    """An overlayfs whiteout (a 0/0 character device): a name the layer deleted."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (st.st_mode & 0o170000) == 0o020000 and st.st_rdev == 0
 
 
 def default_rootfs() -> Path:
@@ -225,11 +245,7 @@ class BwrapSandbox(ShellSandbox):
             raise SandboxError(f"no rootfs at {self.rootfs} (usr/bin/bash missing). Fix: run scripts/setup.sh or set MINIRSI_ROOTFS")
         if shutil.which("bwrap") is None:
             raise SandboxError("bwrap is not installed. Fix: apt-get install bubblewrap (scripts/setup.sh does it)")
-        if task.dockerfile is not None and not task.environment.get("runs_on_base", False):
-            raise SandboxError(
-                f"task {task.task_id} has environment/Dockerfile; the bwrap backend runs every task on the base rootfs "
-                "and cannot build it. Fix: use --backend docker, or set [environment] runs_on_base = true in task.toml "
-                "if the base rootfs plus environment/ files and the setup script reproduce the image")
+        self.prepared = self._find_layers(task)
         self.memory_mb = memory_mb or task.memory_mb or 2048
         self.pids, self.file_size_mb, self.tmp_size_mb = pids, file_size_mb, tmp_size_mb
         self._as_root = os.geteuid() == 0
@@ -254,8 +270,34 @@ class BwrapSandbox(ShellSandbox):
             self.close()
             raise
 
+    def _find_layers(self, task: Any) -> Any:
+        """The prepared layers of a task with a Dockerfile (None for a task without one, or with
+        ``runs_on_base = true``); SandboxError saying which command prepares them."""
+        gpus = task.environment.get("gpus", 0)
+        if isinstance(gpus, (int, float)) and gpus > 0:
+            raise SandboxError(f"task {task.task_id} asks for gpus = {gpus} in task.toml; the local sandbox has no GPU. "
+                               "Fix: use --backend docker on a machine with a GPU")
+        if not task.uses_layer:
+            return None
+        from minirsi.dockerfile import DockerfileError
+        from minirsi.layers import find_prepared
+
+        try:
+            prepared = find_prepared(task, self.rootfs)
+        except DockerfileError as e:
+            raise SandboxError(f"task {task.task_id}: {e}") from e
+        if prepared is None:
+            raise SandboxError(f"task {task.task_id}: its environment/Dockerfile is not prepared for the local backend. "
+                               f"Fix: minirsi task prepare {task.path} (needs the network once), or use --backend docker")
+        if os.geteuid() != 0:
+            raise SandboxError(f"task {task.task_id}: sandboxes on a prepared layer mount an overlay, which needs root. "
+                               "Fix: run as root, or use --backend docker")
+        return prepared
+
     # --- the work directory ------------------------------------------------------------------
     def _populate(self) -> None:
+        if self.prepared is not None:
+            return self._populate_from_layer()
         env_dir, setup = self.task.environment_dir, self.task.setup_script
         skip = set(_ENV_SKIP) | ({setup.name} if setup is not None and setup.parent == env_dir else set())
         if env_dir.is_dir():
@@ -264,12 +306,36 @@ class BwrapSandbox(ShellSandbox):
         else:
             self.workdir_host.mkdir()
         os.chmod(self.workdir_host, 0o755)
-        passwd = (self.rootfs / "etc/passwd").read_text() + f"agent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
-        group = (self.rootfs / "etc/group").read_text() + f"agent:x:{SANDBOX_UID}:\n"
-        (self._dir / "passwd").write_text(passwd)
-        (self._dir / "group").write_text(group)
+        self._write_passwd()
         if self._as_root:
             self._chown_tree(self.workdir_host)
+
+    def _populate_from_layer(self) -> None:
+        """The work directory of a task with a Dockerfile: what the layer holds at the workdir
+        (its COPY and RUN results), copied fresh for this episode; environment/ is not copied
+        (the Dockerfile is in charge of its files, as in Terminal-Bench 2)."""
+        inside = self.task.workdir.lstrip("/")
+        source = next((layer / inside for layer in self.prepared.lowers() if (layer / inside).is_dir()), None)
+        if source is not None:
+            shutil.copytree(source, self.workdir_host, symlinks=True,
+                            ignore=lambda d, names: [n for n in names if _is_whiteout(os.path.join(d, n))])
+        else:
+            self.workdir_host.mkdir()
+        os.chmod(self.workdir_host, 0o755)
+        self._write_passwd()
+        self._chown_tree(self.workdir_host)
+
+    def _write_passwd(self) -> None:
+        etc = self.rootfs / "etc"
+        if self.prepared is not None:  # a Dockerfile may add users (useradd)
+            etc = next((layer / "etc" for layer in self.prepared.lowers() if (layer / "etc/passwd").is_file()), etc)
+        passwd = (etc / "passwd").read_text() + f"agent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
+        group = (etc / "group").read_text() + f"agent:x:{SANDBOX_UID}:\n"
+        (self._dir / "passwd").write_text(passwd)
+        (self._dir / "group").write_text(group)
+
+    def _task_env(self) -> dict[str, str]:
+        return {**(self.prepared.env if self.prepared is not None else {}), **super()._task_env()}
 
     def _chown_tree(self, root: Path) -> None:
         os.chown(root, self.host_uid, self.host_uid, follow_symlinks=False)
@@ -278,32 +344,47 @@ class BwrapSandbox(ShellSandbox):
                 os.chown(os.path.join(dirpath, name), self.host_uid, self.host_uid, follow_symlinks=False)
 
     # --- building the command line ------------------------------------------------------------
-    def _argv(self, binds: list[str], env: dict[str, str], command: list[str], info_fd: int | None = None) -> list[str]:
+    def _argv(self, binds: list[str], env: dict[str, str], command: list[str], info_fd: int | None = None,
+              verifier: bool = False) -> list[str]:
+        """`verifier`: the verifier jail of a task on a prepared layer (root inside, the test
+        tools layer on top)."""
         src = str(self._base / ".rootfs-mnt") if self._as_root else str(self.rootfs)
         workdir = self.task.workdir
         top = workdir.split("/")[1]
+        uid = 0 if verifier and self.prepared is not None else SANDBOX_UID
         args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", str(SANDBOX_UID),
-                "--gid", str(SANDBOX_UID), "--hostname", "sandbox", "--clearenv"]
+                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", str(uid),
+                "--gid", str(uid), "--hostname", "sandbox", "--clearenv"]
         if info_fd is not None:  # bwrap writes {"child-pid": <host pid of the namespace's init>}
             args += ["--info-fd", str(info_fd)]
         base_env = {"PATH": PATH, "HOME": "/tmp", "USER": "agent", "LOGNAME": "agent", "LANG": "C.UTF-8",
                     "TERM": "dumb", "SHELL": "/bin/bash"}
         for k, v in {**base_env, **env}.items():
             args += ["--setenv", k, v]
-        for entry in sorted(os.scandir(self.rootfs), key=lambda e: e.name):
-            name = entry.name
+        if self.prepared is not None:
+            from minirsi.layers import top_level
+
+            entries = top_level(self.prepared, self.rootfs, verifier)
+        else:
+            entries = {e.name: Path(e.path) for e in os.scandir(self.rootfs)}
+        for name, path in sorted(entries.items()):
             if name in ("proc", "dev", "sys", "tmp"):
                 continue
-            if entry.is_symlink():
-                args += ["--symlink", os.readlink(entry.path), f"/{name}"]
-            elif entry.is_dir() and any(os.scandir(entry.path)):
+            if path.is_symlink():
+                args += ["--symlink", os.readlink(path), f"/{name}"]
+            elif path.is_dir() and (self.prepared is not None or any(os.scandir(path))):
                 args += ["--ro-bind", f"{src}/{name}", f"/{name}"]
-            elif entry.is_dir():
+            elif path.is_dir():
                 args += ["--dir", f"/{name}"]
             else:
                 args += ["--ro-bind", f"{src}/{name}", f"/{name}"]
-        if (self.rootfs / top).is_symlink() or ((self.rootfs / top).is_dir() and any(os.scandir(self.rootfs / top))):
+        if self.prepared is not None:  # on a layer every top-level directory is bound: the workdir must exist
+            roots = [*self.prepared.lowers(verifier), self.rootfs]
+            if top in entries and not any((r / workdir.lstrip("/")).is_dir() for r in roots):
+                raise SandboxError(f"workdir {workdir} lies in the layer's read-only /{top} and does not exist there. "
+                                   f"Fix: add WORKDIR {workdir} to the Dockerfile (then prepare again), or choose "
+                                   "another workdir in task.toml")
+        elif (self.rootfs / top).is_symlink() or ((self.rootfs / top).is_dir() and any(os.scandir(self.rootfs / top))):
             if not (self.rootfs / workdir.lstrip("/")).is_dir():
                 raise SandboxError(f"workdir {workdir} lies in the rootfs's /{top}, which is read-only and has no {workdir}. "
                                    "Fix: choose a workdir whose first component is not in the rootfs (e.g. /app)")
@@ -317,9 +398,22 @@ class BwrapSandbox(ShellSandbox):
                   "--core=0", "--nofile=1024"]
         if not self._as_root:
             return ["prlimit", *limits, "--", *args]
-        # Private mount namespace: bind the rootfs where the unprivileged uid can reach it.
-        return ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
-                "sh", str(self.rootfs), src, "prlimit", *limits, "--", "setpriv", f"--reuid={self.host_uid}",
+        # Private mount namespace: bind the rootfs where the unprivileged uid can reach it; on a
+        # prepared layer, mount the read-only overlay of layers over rootfs there instead.
+        mount, source = 'mount --bind "$1" "$2" && shift 2 && exec "$@"', str(self.rootfs)
+        if self.prepared is not None:
+            from minirsi.layers import mount_lowers
+
+            mount = 'mount -t overlay overlay -o "ro,lowerdir=$1" "$2" && shift 2 && exec "$@"'
+            source = mount_lowers(self.prepared, self.rootfs, verifier)
+            if verifier and self.prepared.tools_dir is not None:
+                # the test tools over the layer's empty mount point (bwrap's binds of /opt are
+                # recursive and read-only); done here, as root, since the sandbox uid may not be
+                # able to traverse the layer cache
+                mount = mount.replace(" && shift 2", f' && mount --bind {shlex.quote(str(self.prepared.tools_dir))} '
+                                      '"$2/opt/minirsi-tools" && shift 2')
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c", mount,
+                "sh", source, src, "prlimit", *limits, "--", "setpriv", f"--reuid={self.host_uid}",
                 f"--regid={self.host_uid}", "--clear-groups", "--inh-caps=-all", "--", *args]
 
     def _nproc(self) -> int:
@@ -444,8 +538,9 @@ class BwrapSandbox(ShellSandbox):
         raise SandboxError(f"processes of sandbox uid {self.host_uid} survived 100 kill rounds")
 
     # --- one-shot jails: setup and verifier ------------------------------------------------------
-    def _oneshot(self, binds: list[str], env: dict[str, str], command: list[str], timeout: float) -> tuple[str, int | None, bool]:
-        proc = subprocess.Popen(self._argv(binds, env, command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    def _oneshot(self, binds: list[str], env: dict[str, str], command: list[str], timeout: float,
+                 verifier: bool = False) -> tuple[str, int | None, bool]:
+        proc = subprocess.Popen(self._argv(binds, env, command, verifier=verifier), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
         cap, deadline, timed_out = OutputCap(self.max_output_bytes), time.monotonic() + timeout, False
         fd = proc.stdout.fileno()
@@ -504,9 +599,23 @@ class BwrapSandbox(ShellSandbox):
                 os.chown(logs, self.host_uid, self.host_uid)
             binds = ["--ro-bind", str(tests_dir), "/tests", "--bind", str(logs), "/logs/verifier",
                      "--ro-bind", str(plugin), "/opt/minirsi/minirsi_junit.py"]
-            out, code, timed_out = self._oneshot(binds, env, ["/bin/bash", f"/tests/{script}"], timeout)
+            if self.prepared is not None:
+                binds += self._shim_binds()
+                env = {**self.prepared.env, **env, "HOME": "/tmp", "USER": "root", "LOGNAME": "root",
+                       "PATH": f"{SHIM_BIN}:{self.prepared.env.get('PATH', PATH)}"}
+            out, code, timed_out = self._oneshot(binds, env, ["/bin/bash", f"/tests/{script}"], timeout,
+                                                 verifier=self.prepared is not None)
             files = {p.name: p.read_bytes() for p in logs.iterdir() if p.is_file() and not p.is_symlink()}
             return TestRun(output=out, exit_code=code, timed_out=timed_out, files=files)
+
+    def _shim_binds(self) -> list[str]:
+        """The verifier's offline stand-ins for apt-get, curl, uv and uvx (verifier_shims.py)."""
+        bin_dir = self._dir / "shims"
+        bin_dir.mkdir(exist_ok=True)
+        for name in SHIMS:
+            (bin_dir / name).write_text(f'#!/bin/sh\nexec /usr/bin/python3 -I /opt/minirsi/verifier_shims.py {name} "$@"\n')
+            (bin_dir / name).chmod(0o755)
+        return ["--ro-bind", str(bin_dir), SHIM_BIN, "--ro-bind", str(SHIM_SOURCE), "/opt/minirsi/verifier_shims.py"]
 
     def close(self) -> None:
         with self._lock:

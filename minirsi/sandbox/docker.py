@@ -1,10 +1,15 @@
 """The Docker sandbox backend (the ``docker`` Python SDK), for tasks that need their image built.
 
-Image: ``environment/Dockerfile`` built with no network (tagged by a hash of environment/,
-so it is built once per content), or, without a Dockerfile, the base image
-``minirsi-base:bookworm`` (imported from the same rootfs as the bwrap backend by
-scripts/dockerd.sh) with ``environment/`` files copied into the workdir. A Dockerfile is in
-charge of its own files (as in Terminal-Bench 2). Dockerfiles must build offline.
+Image, in order: the task's ``[environment] docker_image`` when the engine has it (``docker
+load`` it; Harbor's prebuilt images); else ``environment/Dockerfile`` built with no network
+(tagged by a hash of environment/, so it is built once per content); else, without a
+Dockerfile, the base image ``minirsi-base:bookworm`` (imported from the same rootfs as the
+bwrap backend by scripts/dockerd.sh) with ``environment/`` files copied into the workdir. A
+Dockerfile is in charge of its own files (as in Terminal-Bench 2). Builds are offline: a FROM
+image the engine lacks is replaced by the base image when it is a Debian, Ubuntu or python
+image (with a warning saying so, as the bwrap backend's layers do); a build that still needs a
+registry or a package mirror fails with one line naming the way out (``docker load`` of the
+task's image, or the local backend: ``minirsi task prepare``).
 
 Container: ``network_mode="none"``, ``mem_limit`` (memory_mb), ``pids_limit`` (pids, a cgroup
 limit on the whole container), RLIMIT_FSIZE, a fresh tmpfs /tmp, ``no-new-privileges``,
@@ -53,6 +58,25 @@ for i in $(seq 1 50); do
   kill -9 $pids 2>/dev/null; sleep 0.02
 done
 exit 1"""
+
+
+_NEEDS_NETWORK = ("pull access denied", "failed to resolve", "Temporary failure resolving", "Could not resolve",
+                  "dial tcp", "Network is unreachable", "no such host", "manifest unknown", "Failed to fetch",
+                  "Could not fetch URL", "Failed to establish a new connection")
+
+
+def build_failure(task: Any, build_log: Any, message: str) -> str:
+    """One line on why an offline build failed, and the way out (no whole build log)."""
+    lines = [str(x.get("stream", x.get("error", ""))) for x in build_log or [] if isinstance(x, dict)]
+    text = "".join(lines) + "\n" + message
+    step = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip().startswith("Step ")), "")
+    last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), message)
+    image = task.environment.get("docker_image")
+    if any(marker in text for marker in _NEEDS_NETWORK):
+        return (f"building {task.dockerfile} needs a registry or package mirror, and Docker builds here are offline"
+                f"{' (at ' + step + ')' if step else ''}. Fix: docker load the task's image"
+                f"{' (' + image + ')' if image else ''}, or use the local backend: minirsi task prepare {task.path}")
+    return f"building {task.dockerfile} failed{' at ' + step if step else ''}: {last[:300]}"
 
 
 def client_from_env() -> Any:
@@ -149,14 +173,21 @@ class DockerSandbox(ShellSandbox):
     # --- image and container ----------------------------------------------------------------------
     def _image(self) -> str:
         task = self.task
+        import docker
+
+        wanted = task.environment.get("docker_image")
+        if isinstance(wanted, str) and wanted:
+            try:
+                self.client.images.get(wanted)
+                return wanted
+            except docker.errors.ImageNotFound:
+                logger.info("%s: docker_image %s is not in the engine; building environment/Dockerfile", task.task_id, wanted)
         if task.dockerfile is None:
             return BASE_IMAGE
         digest = hashlib.sha256()
         for name, path in _tree(task.environment_dir, set()).items():
             digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
         tag = f"minirsi-task-{task.task_id.lower()[:60]}:{digest.hexdigest()[:16]}"
-        import docker
-
         with _BUILD_LOCK:  # one build per tag, even from many threads
             try:
                 self.client.images.get(tag)
@@ -165,13 +196,51 @@ class DockerSandbox(ShellSandbox):
                 pass
             timeout = float(task.environment.get("build_timeout_sec", 600))
             logger.info("building %s from %s", tag, task.dockerfile)
+            context = self._offline_context()
             try:
-                self.client.images.build(path=str(task.environment_dir), tag=tag, network_mode="none", rm=True,
-                                         timeout=int(timeout))
+                self.client.images.build(tag=tag, network_mode="none", rm=True, timeout=int(timeout),
+                                         **({"fileobj": io.BytesIO(context), "custom_context": True} if context
+                                            else {"path": str(task.environment_dir)}))
             except docker.errors.BuildError as e:
-                log = "".join(str(x.get("stream", x.get("error", ""))) for x in e.build_log)[-2000:]
-                raise SandboxError(f"building {task.dockerfile} failed (builds are offline): {e}\n{log}") from e
+                raise SandboxError(build_failure(task, e.build_log, str(e))) from e
         return tag
+
+    def _offline_context(self) -> bytes | None:
+        """environment/ as a tar with each FROM the engine lacks replaced by the base image
+        (None when every FROM is present). A FROM with no local equivalent is left alone: the
+        build then fails with build_failure's one line."""
+        import docker
+
+        from minirsi.dockerfile import DockerfileError, map_base
+
+        text = self.task.dockerfile.read_text()
+        lines = text.splitlines(keepends=True)
+        changed = False
+        for i, line in enumerate(lines):
+            words = line.split()
+            if len(words) < 2 or words[0].upper() != "FROM":
+                continue
+            image = next((w for w in words[1:] if not w.startswith("--")), "")
+            try:
+                self.client.images.get(image)
+                continue
+            except docker.errors.ImageNotFound:
+                pass
+            except docker.errors.APIError:
+                continue
+            try:
+                notes, _ = map_base(image, i + 1, self.task.dockerfile, line)
+            except DockerfileError:
+                continue
+            logger.warning("%s:%d: FROM %s is not in the Docker engine and builds are offline: building on %s instead%s",
+                           self.task.dockerfile, i + 1, image, BASE_IMAGE, f" ({'; '.join(notes)})" if notes else "")
+            lines[i] = line.replace(image, BASE_IMAGE, 1)
+            changed = True
+        if not changed:
+            return None
+        files: dict[str, bytes | Path] = dict(_tree(self.task.environment_dir, set()))
+        files["Dockerfile"] = "".join(lines).encode()
+        return _tar(files)
 
     def _root(self, script: str) -> tuple[int, str]:
         code, out = self.container.exec_run(["bash", "-c", script], user="root")

@@ -1,0 +1,584 @@
+"""Environment layers: the ``docker build`` of the local backend (overlay layers over one rootfs).
+
+A task with ``environment/Dockerfile`` runs on a *layer*: a directory holding only what its
+Dockerfile changed (the overlayfs "upper" of the build), stacked read-only over the shared
+base rootfs when a sandbox opens::
+
+    agent jail      /  =  overlay(lowerdir = env.upper : rootfs)                  read-only
+    verifier jail   /  =  overlay(lowerdir = apt.upper : env.upper : rootfs)      read-only
+                    /opt/minirsi-tools  =  pip.upper/opt/minirsi-tools (bind)    read-only
+
+- ``env`` layer, key = sha256(format, base rootfs, every file of environment/): the Dockerfile
+  replayed (minirsi/dockerfile.py) by ``prepare``: each RUN runs as root with the machine's
+  network in a bubblewrap jail whose root is a writable overlay (upper = the layer), the way
+  ``docker build`` runs it. Tasks with the same environment/ share one layer.
+- the test tools, read from tests/test.sh, installed at preparation so that the standard
+  Terminal-Bench 2 test.sh runs offline (its ``apt-get``, ``curl``, ``uv`` and ``uvx`` are
+  stand-ins in the verifier jail: minirsi/sandbox/verifier_shims.py). Only the verifier's jail
+  has them; the agent never sees them.
+  ``pip`` layer, key = sha256(format, base rootfs, the pip specs of ``uvx -w`` / ``uv pip
+  install``): ``pip install --target /opt/minirsi-tools`` for the rootfs's Python. It does not
+  depend on the environment, so every task with the standard test.sh shares one (pytest and
+  pytest-json-ctrf: 15 MB).
+  ``apt`` layer (only when test.sh installs packages other than curl), key = sha256(env key,
+  the packages), stacked on the env layer.
+
+A layer is built in ``<cache>/<key>.partial-<pid>`` and renamed to ``<cache>/<key>`` when
+complete (``meta.json`` inside), under an flock, so a killed preparation leaves nothing that
+counts and two preparations of one environment build it once. Disk: a layer holds only its
+changes (e.g. two apt packages: a few MB); apt lists and caches are removed at the end.
+Preparation needs root (dpkg chowns files to system users; overlayfs upper dirs need it).
+
+Call::
+
+    prepared, built = prepare(task)        # build what is missing (network), else reuse
+    prepared = find_prepared(task)         # None if not prepared (no work, no network)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from minirsi.dockerfile import Dockerfile, DockerfileError, Step, parse_dockerfile
+
+logger = logging.getLogger(__name__)
+
+LAYER_FORMAT = 1
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TOOLS_DIR = "/opt/minirsi-tools"
+"""Where the tools layer installs the verifier's pip packages (pip --target)."""
+_CONTEXT = "/tmp/.minirsi-context"  # environment/ inside the preparation jail (read-only)
+_PIP = "/tmp/.minirsi-pip"  # the host's pip package inside the preparation jail (read-only)
+# The sandbox binds files under /opt/minirsi, which a layer's read-only /opt cannot grow at
+# mount time: the layer carries the (empty) mount points.
+_MOUNT_POINTS = (f"mkdir -p /opt/minirsi/bin {TOOLS_DIR} && "
+                 "touch /opt/minirsi/minirsi_junit.py /opt/minirsi/verifier_shims.py")
+# RUN is root, as in `docker build`, with Docker's default capabilities minus MKNOD and NET_RAW:
+# enough for dpkg and apt's _apt sandbox, not for mount, modules or raw devices (host root's
+# CAP_SYS_ADMIN would let a Dockerfile mount the host's disk).
+_BUILD_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+               "CAP_SETPCAP", "CAP_SETFCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE")
+_CA = "/tmp/.minirsi-ca.crt"  # the host's CA bundle inside the preparation jail
+_PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
+_CLEANUP = ("rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/cache/apt/*.bin /root/.cache/pip "
+            "2>/dev/null; true")
+_PREFIXES = ("sudo", "env", "exec", "command", "time", "nice")
+_SHIMMED_APT = {"curl"}  # test.sh installs these; the verifier jail has a stand-in instead
+
+
+class LayerError(RuntimeError):
+    """Preparation failed: names the Dockerfile line (or test.sh), the package and the status."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINIRSI_LAYERS", Path.home() / ".cache/minirsi/layers"))
+
+
+@dataclass(frozen=True)
+class Layer:
+    key: str
+    path: Path
+
+    @property
+    def upper(self) -> Path:
+        return self.path / "upper"
+
+    @property
+    def meta(self) -> dict:
+        return json.loads((self.path / "meta.json").read_text())
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """What tests/test.sh installs at verification time (read from its text)."""
+
+    apt: tuple[str, ...] = ()
+    pip: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.apt or self.pip)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The layers of one task and what its Dockerfile set."""
+
+    env_layer: Layer
+    apt_layer: Layer | None = None
+    """test.sh's apt packages, for the verifier only."""
+    pip_layer: Layer | None = None
+    """test.sh's pip packages in <upper>/opt/minirsi-tools, for the verifier only."""
+    env: dict[str, str] = field(default_factory=dict)
+    """The Dockerfile's ENV: set for the agent and the verifier."""
+    notes: tuple[str, ...] = ()
+
+    def lowers(self, verifier: bool = False) -> list[Path]:
+        """The layers' upper dirs, top first (the rootfs goes below them)."""
+        top = [self.apt_layer.upper] if verifier and self.apt_layer is not None else []
+        return top + [self.env_layer.upper]
+
+    @property
+    def tools_dir(self) -> Path | None:
+        """The host directory the verifier sees at /opt/minirsi-tools."""
+        return self.pip_layer.upper / TOOLS_DIR.lstrip("/") if self.pip_layer is not None else None
+
+
+# --- keys ------------------------------------------------------------------------------------------
+def _rootfs_id(rootfs: Path) -> str:
+    """Identity of the base rootfs: its dpkg status (changes whenever its packages do)."""
+    status = rootfs / "var/lib/dpkg/status"
+    st = status.stat()
+    return f"{rootfs}:{st.st_size}:{st.st_mtime_ns}"
+
+
+_KEYS: dict[tuple, str] = {}
+"""environment_key's memo, by a stat signature of environment/: every sandbox of a task looks
+its layer up, and hashing a large environment/ each time would cost the open."""
+
+
+def environment_key(task, rootfs: Path) -> str:
+    root = task.environment_dir
+    signature = (str(root), _rootfs_id(rootfs), tuple(
+        (str(p), st.st_size, st.st_mtime_ns, st.st_mode) for p in sorted(root.rglob("*"))
+        for st in [p.lstat()]))
+    if signature not in _KEYS:
+        _KEYS[signature] = _hash_environment(root, rootfs)
+    return _KEYS[signature]
+
+
+def _hash_environment(root: Path, rootfs: Path) -> str:
+    h = hashlib.sha256(f"minirsi-layer-{LAYER_FORMAT}\0{_rootfs_id(rootfs)}\0".encode())
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            h.update(f"L{rel}\0{os.readlink(p)}\0".encode())
+        elif p.is_file():
+            h.update(f"F{rel}\0{p.stat().st_mode & 0o777:o}\0".encode())
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        elif p.is_dir():
+            h.update(f"D{rel}\0".encode())
+    return h.hexdigest()[:24]
+
+
+def apt_key(env_key: str, packages: tuple[str, ...]) -> str:
+    return hashlib.sha256(json.dumps([LAYER_FORMAT, "apt", env_key, packages]).encode()).hexdigest()[:24]
+
+
+def pip_key(rootfs: Path, specs: tuple[str, ...]) -> str:
+    return hashlib.sha256(json.dumps([LAYER_FORMAT, "pip", _rootfs_id(rootfs), specs]).encode()).hexdigest()[:24]
+
+
+def _join_continuations(text: str) -> list[str]:
+    return re.sub(r"\\\n", " ", text).splitlines()
+
+
+def _segments(line: str) -> list[list[str]]:
+    """A shell line split at ; && || | into token lists (quotes honoured; comments dropped)."""
+    try:
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|<>")
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        tokens = list(lexer)
+    except ValueError:
+        return []
+    out, cur = [], []
+    for t in tokens:
+        if t and set(t) <= set(";&|<>"):
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    return out + [cur]
+
+
+def _requirements(tests_dir: Path, name: str) -> list[str]:
+    """The specs of a requirements file test.sh names (at /tests/... inside the jail)."""
+    path = tests_dir / Path(name).name if name.startswith("/tests/") or "/" not in name else Path("/nonexistent")
+    if not path.is_file():
+        raise LayerError(f"{tests_dir / 'test.sh'}: --with-requirements {name}: only files in tests/ can be read at "
+                         "preparation. Fix: put the file in tests/ and name it /tests/<file>")
+    return [ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines()
+            if ln.split("#", 1)[0].strip() and not ln.lstrip().startswith("-")]
+
+
+def _uvx_specs(args: list[str], tests_dir: Path) -> list[str]:
+    """The pip specs of ``uvx ARGS`` (the same options verifier_shims.tool_run reads)."""
+    specs, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--with-requirements" and i + 1 < len(args):
+            specs += _requirements(tests_dir, args[i + 1])
+            i += 2
+        elif a in ("-w", "--with", "--from") and i + 1 < len(args):
+            specs += [s for s in args[i + 1].split(",") if s]
+            i += 2
+        elif a.startswith(("--with=", "--from=")):
+            specs += [s for s in a.split("=", 1)[1].split(",") if s]
+            i += 1
+        elif a in ("-p", "--python"):
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:  # the command: uvx installs it too
+            if a in ("pytest", "py.test"):
+                specs.append("pytest")
+            break
+    return specs
+
+
+def read_tool_spec(test_sh: Path) -> ToolSpec:
+    """Apt packages and pip specs that test.sh installs (``apt-get install``, ``uvx -w``,
+    ``uv run --with``, ``uv pip install``, ``pip install``); pytest when it runs it via uvx."""
+    apt: list[str] = []
+    pip: list[str] = []
+    for line in _join_continuations(test_sh.read_text(errors="replace")):
+        for seg in _segments(line):
+            while seg and (re.match(r"[A-Za-z_][A-Za-z0-9_]*=", seg[0]) or seg[0] in _PREFIXES):
+                seg = seg[1:]  # X=1 cmd, sudo cmd, env cmd, ...: the command is what follows
+            if not seg:
+                continue
+            cmd, rest = os.path.basename(seg[0]), seg[1:]
+            if cmd in ("apt-get", "apt") and "install" in rest:
+                apt += [t for t in rest[rest.index("install") + 1:] if not t.startswith("-") and t not in _SHIMMED_APT]
+            elif cmd == "uvx":
+                pip += _uvx_specs(rest, test_sh.parent)
+            elif cmd == "uv" and (rest[:1] == ["run"] or rest[:2] == ["tool", "run"]):
+                pip += _uvx_specs(rest[1:] if rest[:1] == ["run"] else rest[2:], test_sh.parent)
+            elif (cmd == "uv" and rest[:2] == ["pip", "install"]) or (cmd in ("pip", "pip3") and rest[:1] == ["install"]):
+                pip += [t for t in rest[2 if cmd == "uv" else 1:] if not t.startswith("-")]
+    named = {re.split(r"[=<>!~\[ ;]", s, maxsplit=1)[0].lower() for s in pip if s != "pytest"}
+    if "pytest" in named:  # a bare "pytest" (uvx's command) next to a pinned one would conflict
+        pip = [s for s in pip if s != "pytest"]
+    return ToolSpec(tuple(sorted(set(apt))), tuple(sorted(set(pip))))
+
+
+# --- lookup ----------------------------------------------------------------------------------------
+def _layer(key: str) -> Layer | None:
+    path = cache_dir() / key
+    return Layer(key, path) if (path / "meta.json").is_file() else None
+
+
+def _dockerfile(task) -> Dockerfile:
+    return parse_dockerfile(task.dockerfile)
+
+
+def find_prepared(task, rootfs: Path) -> Prepared | None:
+    """The task's layers if they are all prepared, else None (no work beyond hashing)."""
+    df = _dockerfile(task)
+    key = environment_key(task, rootfs)
+    env_layer = _layer(key)
+    if env_layer is None:
+        return None
+    spec = read_tool_spec(task.test_script) if task.test_script.is_file() else ToolSpec()
+    apt = _layer(apt_key(key, spec.apt)) if spec.apt else None
+    pip = _layer(pip_key(rootfs, spec.pip)) if spec.pip else None
+    if (spec.apt and apt is None) or (spec.pip and pip is None):
+        return None
+    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes))
+
+
+# --- building --------------------------------------------------------------------------------------
+def _host_pip() -> Path:
+    """The host's pip package: pure Python, run by the layer's python3 at preparation (the
+    Debian rootfs has no pip of its own)."""
+    try:
+        import pip
+    except ImportError as e:
+        raise LayerError("preparing a layer runs the host's pip inside it, and this Python has none. "
+                         "Fix: python3 -m ensurepip (or apt-get install python3-pip)") from e
+    return Path(pip.__file__).parent
+
+
+def _stage_pip_bin(stage: Path) -> Path:
+    """pip / pip3 commands for the preparation jail (after the layer's own on PATH)."""
+    bin_dir = stage / "pipbin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("pip", "pip3"):
+        (bin_dir / name).write_text(f'#!/bin/sh\nPYTHONPATH={_PIP}${{PYTHONPATH:+:$PYTHONPATH}} exec python3 -m pip "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def _host_ca_bundle() -> Path | None:
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"), os.environ.get("REQUESTS_CA_BUNDLE"),
+                      "/etc/ssl/certs/ca-certificates.crt"):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate).resolve()
+    return None
+
+
+def _jail_argv(lowers: list[Path], upper: Path, work: Path, merged: Path, context: Path | None, pipbin: Path,
+               env: dict[str, str], script: str) -> list[str]:
+    """Root in a private mount namespace: a writable overlay at `merged`, then bwrap into it."""
+    binds = ["--ro-bind", str(_host_pip()), f"{_PIP}/pip", "--ro-bind", str(pipbin), f"{_PIP}/bin"]
+    if context is not None and context.is_dir():
+        binds += ["--ro-bind", str(context), _CONTEXT]
+    if Path("/etc/resolv.conf").exists():
+        binds += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+    full_env = {"PATH": PATH, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive", "LANG": "C.UTF-8",
+                "PIP_BREAK_SYSTEM_PACKAGES": "1", "PIP_ROOT_USER_ACTION": "ignore", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    # The machine's network settings, as `docker build` gets them: its proxy and its CA bundle
+    # (a TLS-intercepting proxy's CA is in the host's bundle, not in the Debian rootfs).
+    full_env.update({k: v for k, v in os.environ.items() if k.lower() in _PROXY_VARS})
+    bundle = _host_ca_bundle()
+    if bundle is not None:
+        binds += ["--ro-bind", str(bundle), _CA]
+        full_env.update({k: _CA for k in ("PIP_CERT", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")})
+    full_env.update(env)
+    full_env["PATH"] = full_env["PATH"] + f":{_PIP}/bin"
+    setenv = [a for k, v in full_env.items() for a in ("--setenv", k, v)]
+    mount = 'mount -t overlay overlay -o "lowerdir=$1,upperdir=$2,workdir=$3" "$4" && shift 4 && exec "$@"'
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh",
+            ":".join(str(p) for p in lowers), str(upper), str(work), str(merged),
+            "bwrap", "--bind", str(merged), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", *binds,
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
+            "--new-session", "--cap-drop", "ALL", *[a for c in _BUILD_CAPS for a in ("--cap-add", c)], "--clearenv",
+            *setenv, "--chdir", "/", "/bin/sh", "-c", "chmod 1777 /tmp\n" + script]
+
+
+def _why(output: str) -> str:
+    """The package a failed apt/pip command names, if any."""
+    for pattern in (r"Unable to locate package (\S+)", r"Package '?([^' ]+)'? has no installation candidate",
+                    r"No matching distribution found for (\S+)", r"satisfies the requirement (\S+)",
+                    r"Could not find a version .*? (\S+)$"):
+        m = re.search(pattern, output, re.M)
+        if m:
+            return f"package {m.group(1)!r} not found; "
+    return ""
+
+
+def _copy_script(step: Step, context: Path, where: str) -> str:
+    """Shell lines that COPY/ADD a step's sources from the bound context to its destination."""
+    dest, chown, *sources = step.args
+    lines, targets = [], []
+    many = len(sources) > 1 or dest.endswith("/")
+    for src in sources:
+        if re.match(r"https?://", src):
+            if step.kind != "add":
+                raise DockerfileError(where, step.lineno, step.text, "COPY cannot fetch a URL", "use ADD or RUN curl")
+            target = dest.rstrip("/") + "/" + src.rstrip("/").rsplit("/", 1)[-1] if many else dest
+            lines.append(f"mkdir -p {shlex.quote(os.path.dirname(target))} && python3 -c 'import sys, urllib.request; "
+                         f"urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' {shlex.quote(src)} {shlex.quote(target)}")
+            targets.append(target)
+            continue
+        rel = os.path.normpath(src.lstrip("/"))
+        if rel.startswith(".."):
+            raise DockerfileError(where, step.lineno, step.text, f"source {src!r} lies outside environment/",
+                                  "keep every COPY source inside environment/")
+        matches = sorted(context.glob(rel)) if rel != "." else [context]
+        if not matches:
+            raise DockerfileError(where, step.lineno, step.text, f"source {src!r} is not in {context}",
+                                  "add the file to environment/ or fix the path")
+        for m in matches:
+            inside = shlex.quote(_CONTEXT if m == context else f"{_CONTEXT}/{m.relative_to(context).as_posix()}")
+            d = shlex.quote(dest.rstrip("/") or "/")
+            if m.is_dir():
+                lines.append(f"mkdir -p {d} && cp -a {inside}/. {d}/")
+                targets.append(dest)
+            elif step.kind == "add" and tarfile.is_tarfile(m):
+                lines.append(f"mkdir -p {d} && tar -xf {inside} -C {d}")
+                targets.append(dest)
+            elif many:
+                lines.append(f"mkdir -p {d} && cp -a {inside} {d}/")
+                targets.append(f"{dest.rstrip('/')}/{m.name}")
+            else:
+                lines.append(f"if [ -d {d} ]; then cp -a {inside} {d}/; else mkdir -p \"$(dirname {d})\" && cp -a {inside} {d}; fi")
+                targets.append(dest)
+    if chown:
+        lines += [f"chown -R {shlex.quote(chown)} {shlex.quote(t)}" for t in targets]
+    return "set -e\n" + "\n".join(lines)
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
+
+
+def _remove_stale_partials(cache: Path) -> None:
+    """Delete ``<key>.partial-<pid>`` directories whose preparation died (its pid is gone)."""
+    for d in cache.glob("*.partial-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            subprocess.run(["rm", "-rf", "--one-file-system", str(d)], check=False)
+
+
+def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, str], str]], context: Path | None,
+           timeout: float, meta: dict, log: Callable[[str], None]) -> Layer:
+    """Build a layer: run each (label, script, env, cwd) as root over `lowers`; atomic rename.
+
+    `label` names the step in errors (``Dockerfile:12: RUN apt-get ...``)."""
+    if os.geteuid() != 0:
+        raise LayerError("preparing a layer needs root (dpkg sets file owners; overlayfs upper directories need "
+                         "it). Fix: run `minirsi task prepare` as root (sudo), or use --backend docker")
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(cache / f"{key}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        done = _layer(key)
+        if done is not None:  # another process built it while we waited
+            return done
+        _remove_stale_partials(cache)
+        part = cache / f"{key}.partial-{os.getpid()}"
+        shutil.rmtree(part, ignore_errors=True)
+        for sub in ("upper", "work", "merged"):
+            (part / sub).mkdir(parents=True)
+        pipbin = _stage_pip_bin(part)
+        started, deadline = time.monotonic(), time.monotonic() + timeout
+        log_path = part / "build.log"
+        try:
+            for label, script, env, cwd in steps:
+                log(f"  {label}")
+                argv = _jail_argv(lowers, part / "upper", part / "work", part / "merged", context, pipbin, env,
+                                  f"cd {shlex.quote(cwd)} || exit 1\n{script}")
+                left = deadline - time.monotonic()
+                try:
+                    r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       timeout=max(1.0, left))
+                except subprocess.TimeoutExpired as e:
+                    out = (e.output or b"").decode(errors="replace")
+                    raise LayerError(f"{label}: timed out (build_timeout_sec = {timeout:.0f}); last lines:\n"
+                                     + "\n".join(out.splitlines()[-15:])) from e
+                out = r.stdout.decode(errors="replace")
+                with open(log_path, "a") as f:
+                    f.write(f"### {label}\n{out}\n")
+                if r.returncode != 0:
+                    raise LayerError(f"{label}: {_why(out)}exited with status {r.returncode}; last lines:\n"
+                                     + "\n".join(out.splitlines()[-15:]))
+            shutil.rmtree(part / "work", ignore_errors=True)
+            shutil.rmtree(part / "pipbin", ignore_errors=True)
+            (part / "merged").rmdir()
+            meta = {**meta, "key": key, "format": LAYER_FORMAT, "seconds": round(time.monotonic() - started, 2),
+                    "disk_bytes": _du(part / "upper"), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            (part / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            os.rename(part, cache / key)
+            log(f"  layer {key}: {meta['disk_bytes'] / 2**20:.1f} MiB, built in {meta['seconds']:.1f} s")
+        except BaseException:
+            subprocess.run(["rm", "-rf", "--one-file-system", str(part)], check=False)
+            raise
+        return Layer(key, cache / key)
+    finally:
+        os.close(lock_fd)
+
+
+def _env_steps(df: Dockerfile, context: Path) -> list[tuple[str, str, dict[str, str], str]]:
+    where = df.path
+    steps = []
+    if df.python_image:  # what a python:* image has and Debian's python3 lacks
+        steps.append((f"{where}: FROM {df.base}: pip and `python` as in the image",
+                      f"python3 -m pip install -q --no-cache-dir --ignore-installed pip && ln -sf /usr/bin/python3 /usr/local/bin/python "
+                      f"&& rm -f /usr/lib/python3.11/EXTERNALLY-MANAGED", {"PYTHONPATH": _PIP}, "/"))
+    for step in df.steps:
+        label = f"{where}:{step.lineno}: {step.text.strip()[:100]}"
+        env = dict(step.env)
+        if step.kind == "workdir":
+            steps.append((label, f"mkdir -p {shlex.quote(step.args[0])}", env, "/"))
+        elif step.kind == "run":
+            steps.append((label, step.args[0], env, step.workdir))
+        else:
+            steps.append((label, _copy_script(step, context, str(where)), env, "/"))
+    steps.append((f"{where}: clean apt lists and caches; mount points for the verifier", f"{_CLEANUP}\n{_MOUNT_POINTS}",
+                  {}, "/"))
+    return steps
+
+
+def _apt_steps(where: Path, packages: tuple[str, ...]) -> list[tuple[str, str, dict[str, str], str]]:
+    pkgs = " ".join(shlex.quote(p) for p in packages)
+    return [(f"{where}: apt-get install {pkgs}",
+             f"apt-get update -qq && apt-get install -y -qq --no-install-recommends {pkgs}", {}, "/"),
+            (f"{where}: clean apt lists and caches", _CLEANUP, {}, "/")]
+
+
+def _pip_steps(where: Path, specs: tuple[str, ...]) -> list[tuple[str, str, dict[str, str], str]]:
+    pkgs = " ".join(shlex.quote(p) for p in specs)
+    return [(f"{where}: test tools {pkgs}",
+             f"python3 -m pip install -q --no-cache-dir --target {TOOLS_DIR} {pkgs}", {"PYTHONPATH": _PIP}, "/")]
+
+
+def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> tuple[Prepared, bool]:
+    """Build the task's missing layers (with the network); return (prepared, whether anything was built).
+
+    Raises DockerfileError for a line that cannot be honoured and LayerError for a step that failed.
+    """
+    df = _dockerfile(task)
+    key = environment_key(task, rootfs)
+    timeout = float(task.environment.get("build_timeout_sec", 1800.0))
+    built = False
+    env_layer = _layer(key)
+    if env_layer is None:
+        log(f"{task.task_id}: preparing environment layer {key} from {task.dockerfile}")
+        env_layer = _build(key, [rootfs], _env_steps(df, task.environment_dir), task.environment_dir, timeout,
+                           {"kind": "environment", "dockerfile": str(task.dockerfile), "base": df.base,
+                            "notes": df.notes, "env": df.env, "workdir": df.workdir}, log)
+        built = True
+    spec = read_tool_spec(task.test_script) if task.test_script.is_file() else ToolSpec()
+    apt = pip = None
+    if spec.apt:
+        akey = apt_key(key, spec.apt)
+        apt = _layer(akey)
+        if apt is None:
+            log(f"{task.task_id}: preparing test.sh's apt layer {akey} ({' '.join(spec.apt)})")
+            apt = _build(akey, [env_layer.upper, rootfs], _apt_steps(task.test_script, spec.apt), None, timeout,
+                         {"kind": "apt", "env_layer": key, "apt": spec.apt}, log)
+            built = True
+    if spec.pip:
+        pkey = pip_key(rootfs, spec.pip)
+        pip = _layer(pkey)
+        if pip is None:
+            log(f"{task.task_id}: preparing test tools {pkey} ({' '.join(spec.pip)})")
+            pip = _build(pkey, [rootfs], _pip_steps(task.test_script, spec.pip), None, timeout,
+                         {"kind": "pip", "pip": spec.pip}, log)
+            built = True
+    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes)), built
+
+
+def list_layers() -> list[dict]:
+    """meta.json of every prepared layer in the cache (kind, key, disk_bytes, seconds, built...)."""
+    root = cache_dir()
+    return [json.loads((d / "meta.json").read_text()) for d in sorted(root.iterdir())
+            if (d / "meta.json").is_file()] if root.is_dir() else []
+
+
+def mount_lowers(prepared: Prepared, rootfs: Path, verifier: bool = False) -> str:
+    """The ``lowerdir=`` value of the read-only overlay a sandbox's root is made of."""
+    return ":".join(str(p) for p in [*prepared.lowers(verifier), rootfs])
+
+
+def top_level(prepared: Prepared, rootfs: Path, verifier: bool = False) -> dict[str, Path]:
+    """Name -> the path that decides its type, for every top-level entry of the stacked root
+    (upper layers first; an overlay whiteout, a 0/0 character device, hides the name)."""
+    out: dict[str, Path] = {}
+    hidden: set[str] = set()
+    for layer in [*prepared.lowers(verifier), rootfs]:
+        if not layer.is_dir():
+            continue
+        for entry in os.scandir(layer):
+            if entry.name in out or entry.name in hidden:
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if (st.st_mode & 0o170000) == 0o020000 and st.st_rdev == 0:
+                hidden.add(entry.name)
+            else:
+                out[entry.name] = Path(entry.path)
+    return out

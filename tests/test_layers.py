@@ -1,0 +1,403 @@
+"""Environment layers (minirsi/layers.py), the Dockerfile reader (minirsi/dockerfile.py) and the
+verifier's offline stand-ins (minirsi/sandbox/verifier_shims.py).
+
+The fast tests read Dockerfiles and test.sh files and call the stand-ins on the host. The slow
+ones prepare the Terminal-Bench 2 shaped fixture tests/fixtures/tasks/tb2/word-stats (two
+Debian packages and one pip package from the network, plus pytest and pytest-json-ctrf for
+the verifier) into a private layer cache, then play episodes on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from minirsi.dockerfile import DockerfileError, parse_dockerfile, substitute
+from minirsi.layers import LayerError, ToolSpec, find_prepared, prepare, read_tool_spec
+from minirsi.sandbox import SandboxError, open_sandbox
+from minirsi.sandbox import verifier_shims as shims
+from minirsi.sandbox.bwrap import default_rootfs
+from minirsi.task_cli import check_task, cli
+from minirsi.tasks import load_task
+from minirsi.verifier import verify
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
+WORD_STATS = FIXTURES / "tb2" / "word-stats"
+
+
+def _dockerfile(tmp_path: Path, text: str) -> Path:
+    env = tmp_path / "environment"
+    env.mkdir(parents=True, exist_ok=True)
+    (env / "Dockerfile").write_text(text)
+    return env / "Dockerfile"
+
+
+# --- the Dockerfile reader ---------------------------------------------------------------------------
+def test_fixture_dockerfile_steps_env_and_notes():
+    df = parse_dockerfile(WORD_STATS / "environment" / "Dockerfile")
+    assert [s.kind for s in df.steps] == ["run", "run", "workdir", "copy", "copy"]
+    assert df.workdir == "/app" and df.env == {"REPORT_PATH": "/app/report.json"} and df.python_image
+    assert df.steps[0].lineno == 4 and "tree" in df.steps[0].args[0]  # continuation lines joined
+    assert df.steps[4].args[:1] == ("/app/",)  # COPY x ./ resolved against WORKDIR
+    assert df.notes == ["python:3.13-slim-bookworm: Python 3.13 in the image, Python 3.11 in the local layer"]
+
+
+def test_env_arg_substitution_and_legacy_env(tmp_path):
+    df = parse_dockerfile(_dockerfile(tmp_path, "ARG V=1.2\nFROM ubuntu:24.04\nENV A=x\nENV B=\"$A/y\" A=z\nENV C the ${B:-no} z\n"
+                                                "ENV D=${MISSING:-dflt} E=${A:+alt}\nWORKDIR /srv/$A\nRUN echo $V\n"))
+    assert df.env == {"A": "z", "B": "x/y", "C": "the x/y z", "D": "dflt", "E": "alt"}
+    assert df.workdir == "/srv/z"
+    assert "Ubuntu" in df.notes[0]
+    assert substitute("${A}-$B", {"A": "1"}) == "1-"
+
+
+def test_heredoc_run_keeps_its_body(tmp_path):
+    df = parse_dockerfile(_dockerfile(tmp_path, "FROM debian:bookworm\nRUN <<EOF\nset -e\necho a > /x\n\nEOF\n"
+                                                "RUN cat > /y <<-'END'\n\tplain $HOME\n\tEND\nWORKDIR /app\n"))
+    assert [(s.lineno, s.kind) for s in df.steps] == [(2, "run"), (7, "run"), (10, "workdir")]
+    assert df.steps[0].args[0] == "set -e\necho a > /x\n"  # RUN <<EOF: the body is the script
+    assert df.steps[1].args[0] == "cat > /y <<-'END'\n\tplain $HOME\nEND"
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ("FROM debian:bookworm AS build\nRUN make\nFROM debian:bookworm\n", 3, "multi-stage"),
+    ("FROM debian:bookworm\nCOPY --from=build /x /y\n", 2, "COPY --from"),
+    ("FROM debian:bookworm\nRUN --mount=type=cache,target=/c make\n", 2, "RUN flags"),
+    ("FROM nvidia/cuda:12.2.0-runtime-ubuntu22.04\n", 1, "GPU"),
+    ("FROM alpine:3.19\n", 1, "no local equivalent"),
+    ("FROM debian:bookworm\nUSER app\n", 2, "USER"),
+    ("RUN echo\n", 1, "before FROM"),
+    ("FROM debian:bookworm\nFROBNICATE x\n", 2, "unknown instruction"),
+])
+def test_lines_that_cannot_be_honoured_name_the_line(tmp_path, text, line, words):
+    path = _dockerfile(tmp_path, text)
+    with pytest.raises(DockerfileError) as info:
+        parse_dockerfile(path)
+    assert info.value.lineno == line and words in str(info.value) and "Fix:" in str(info.value)
+    assert f"{path}:{line}:" in str(info.value)
+
+
+def test_services_are_refused(tmp_path):
+    _dockerfile(tmp_path, "FROM debian:bookworm\n")
+    (tmp_path / "environment" / "docker-compose.yaml").write_text("services: {db: {image: postgres}}\n")
+    with pytest.raises(DockerfileError, match="services"):
+        parse_dockerfile(tmp_path / "environment" / "Dockerfile")
+
+
+# --- reading test.sh -------------------------------------------------------------------------------
+def test_tool_spec_of_the_standard_test_sh():
+    assert read_tool_spec(WORD_STATS / "tests" / "test.sh") == ToolSpec((), ("pytest-json-ctrf==0.3.5", "pytest==8.4.1"))
+
+
+def test_tool_spec_variants(tmp_path):
+    sh = tmp_path / "test.sh"
+    sh.write_text("apt-get update && apt-get install -y curl jq=1.6 && apt install -y --no-install-recommends tree\n"
+                  "uvx -p 3.13 --with numpy==2.1.0,scipy -w pytest==8.4.1 pytest /tests/test_outputs.py\n"
+                  "uv pip install requests==2.32.3 # comment pandas\n"
+                  "X=1 uv run --with=httpx pytest -q\nsudo apt-get install -y sqlite3\n")
+    spec = read_tool_spec(sh)
+    assert spec.apt == ("jq=1.6", "sqlite3", "tree")  # curl is the stand-in's
+    assert spec.pip == ("httpx", "numpy==2.1.0", "pytest==8.4.1", "requests==2.32.3", "scipy")  # one pytest
+
+
+def test_with_requirements_is_read_from_tests(tmp_path):
+    (tmp_path / "requirements.txt").write_text("# test deps\nnumpy==2.1.0  # pinned\n-r other.txt\nhttpx\n")
+    (tmp_path / "test.sh").write_text("uvx --with-requirements /tests/requirements.txt pytest /tests\n")
+    assert read_tool_spec(tmp_path / "test.sh").pip == ("httpx", "numpy==2.1.0", "pytest")
+    (tmp_path / "test.sh").write_text("uvx --with-requirements /etc/reqs.txt pytest /tests\n")
+    with pytest.raises(LayerError, match="only files in tests/"):
+        read_tool_spec(tmp_path / "test.sh")
+
+
+def test_a_gpu_task_is_refused_on_the_local_backend(tmp_path):
+    shutil.copytree(FIXTURES / "good" / "hello", tmp_path / "t")
+    toml = tmp_path / "t" / "task.toml"
+    toml.write_text(toml.read_text() + "gpus = 1\n")
+    with pytest.raises(SandboxError, match="gpus = 1 .*no GPU.*--backend docker"):
+        open_sandbox(load_task(tmp_path / "t"))
+
+
+# --- the stand-ins, called on the host ---------------------------------------------------------------
+@pytest.fixture
+def tools_dir(tmp_path, monkeypatch):
+    for dist in ("pytest-8.4.1.dist-info", "pytest_json_ctrf-0.3.5.dist-info"):
+        (tmp_path / dist).mkdir()
+    monkeypatch.setattr(shims, "TOOLS", str(tmp_path))
+    return tmp_path
+
+
+def test_specs_are_matched_by_name_and_pinned_version(tools_dir):
+    assert shims.missing_specs(["pytest==8.4.1", "pytest-json-ctrf==0.3.5", "Pytest_JSON.ctrf", "pytest[extra]"]) == []
+    assert shims.missing_specs(["pytest==9.0.0", "numpy", "pytest==8.4.1"]) == ["pytest==9.0.0", "numpy"]
+
+
+def test_uvx_refuses_what_was_not_prepared(tools_dir, capsys):
+    assert shims.main(["uvx", "-p", "3.13", "-w", "numpy==2.0", "pytest", "/tests"]) == 2
+    assert "numpy==2.0 not prepared" in capsys.readouterr().err
+    assert shims.main(["uvx", "-w", "pytest==8.4.1", "black", "."]) == 2
+    assert "not among the prepared tools" in capsys.readouterr().err
+    assert shims.main(["uv", "sync"]) == 2 and shims.main(["uv", "pip", "install", "numpy"]) == 2
+    assert shims.main(["uv", "pip", "install", "pytest==8.4.1"]) == 0
+
+
+def test_pip_stand_in_accepts_only_prepared_specs(tools_dir, capsys):
+    assert shims.main(["pip", "install", "-q", "pytest==8.4.1"]) == 0
+    assert shims.main(["pip3", "install", "requests"]) == 1
+    assert "requests: not prepared" in capsys.readouterr().err
+
+
+def test_curl_serves_only_the_uv_installer(tmp_path, capsys, monkeypatch):
+    assert shims.main(["curl", "-LsSf", "https://astral.sh/uv/0.9.5/install.sh"]) == 0
+    installer = capsys.readouterr().out
+    assert ".local/bin/env" in installer and shims.SHIM_BIN in installer
+    assert shims.main(["curl", "-LsSf", "https://astral.sh/uv/install.sh", "-o", str(tmp_path / "i.sh")]) == 0
+    assert (tmp_path / "i.sh").read_text() == installer
+    monkeypatch.setattr(shims.os, "access", lambda *a: False)  # no real curl to fall back on
+    assert shims.main(["curl", "-fsSL", "https://example.com/x.tar.gz"]) == 7
+    assert "only the uv installer" in capsys.readouterr().err
+
+
+def test_sudo_stand_in_runs_the_command(monkeypatch):
+    ran = []
+    monkeypatch.setattr(shims.os, "execvp", lambda f, a: ran.append(a) or 0)
+    assert shims.main(["sudo", "-E", "apt-get", "update"]) == 0 and ran == [["apt-get", "update"]]
+    assert shims.main(["sudo", "-u", "nobody", "id"]) == 1
+
+
+def test_apt_get_stand_in(capsys, monkeypatch):
+    monkeypatch.setattr(shims, "_package_installed", lambda name: name == "jq")
+    assert shims.main(["apt-get", "update"]) == 0
+    assert shims.main(["apt-get", "install", "-y", "curl", "jq"]) == 0
+    assert shims.main(["apt-get", "install", "-y", "gcc"]) == 100
+    assert "gcc" in capsys.readouterr().err
+    assert shims.main(["apt-get", "dist-upgrade"]) == 100
+
+
+# --- preparation, cache and episodes (network: Debian mirror and PyPI) -----------------------------------
+@pytest.fixture(scope="module")
+def layers(tmp_path_factory):
+    """A private layer cache with word-stats prepared once; yields (task, seconds of the first
+    preparation, seconds of the second)."""
+    if os.geteuid() != 0:
+        pytest.skip("environment layers need root (preparation and the overlay mount)")
+    cache = tmp_path_factory.mktemp("layers")
+    old = os.environ.get("MINIRSI_LAYERS")
+    os.environ["MINIRSI_LAYERS"] = str(cache)
+    task = load_task(WORD_STATS)
+    t0 = time.monotonic()
+    _, built = prepare(task, default_rootfs())
+    t1 = time.monotonic()
+    _, built_again = prepare(task, default_rootfs())
+    t2 = time.monotonic()
+    assert built and not built_again
+    yield task, cache, t1 - t0, t2 - t1
+    if old is None:
+        del os.environ["MINIRSI_LAYERS"]
+    else:
+        os.environ["MINIRSI_LAYERS"] = old
+
+
+def _variant(tmp_path: Path, name: str, dockerfile: str) -> Path:
+    """A copy of word-stats with another Dockerfile."""
+    d = tmp_path / name
+    shutil.copytree(WORD_STATS, d)
+    (d / "environment" / "Dockerfile").write_text(dockerfile)
+    return d
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        for name in sorted(dirnames + filenames):
+            st = os.lstat(os.path.join(dirpath, name))
+            h.update(f"{dirpath}/{name}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+@pytest.mark.slow
+def test_second_preparation_does_no_work(layers):
+    task, cache, first, second = layers
+    assert second < 1.0 < first  # the second one only hashes environment/ and test.sh
+    prepared = find_prepared(task, default_rootfs())
+    assert prepared is not None and prepared.pip_layer is not None and prepared.apt_layer is None
+    meta = prepared.env_layer.meta
+    assert meta["workdir"] == "/app" and meta["disk_bytes"] < 100 << 20  # a diff, not a rootfs copy (~400 MB)
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == sorted(
+        [prepared.env_layer.key, prepared.pip_layer.key])
+
+
+@pytest.mark.slow
+def test_oracle_passes_and_empty_run_fails_on_the_layer(layers):
+    row = check_task(layers[0], "bwrap")
+    assert row.ok, row.reasons()
+    assert (row.oracle.passed, row.oracle.total) == (5, 5) and (row.empty.passed, row.empty.total) == (0, 5)
+    assert row.empty.checks["test_outputs::test_word_count[a.txt-6]"] == "failed"  # parametrised cases all ran
+    assert "Python 3.13 requested" in row.oracle.output_tail
+
+
+@pytest.mark.slow
+def test_agent_sees_the_image_but_not_the_tests_or_tools(layers):
+    task = layers[0]
+    with open_sandbox(task) as sb:
+        r = sb.run("pwd; ls; echo $REPORT_PATH; jq --version; tree --version | cut -c1-9; python -c 'import six; print(six.__version__)';"
+                   " ls -A /opt/minirsi-tools /tests 2>&1 | grep -c 'No such'; wc -c < /opt/minirsi/verifier_shims.py; id -u",
+                   timeout=20)
+    lines = r.output.split("\n")
+    assert lines[:2] == ["/app", "count_hint.txt"] and lines[2] == "data"
+    # /opt/minirsi-tools is an empty mount point for the agent; /tests is absent
+    assert lines[3:9] == ["/app/report.json", "jq-1.6", "tree v2.1", "1.16.0", "1", "0"] and lines[9] == "1000", r.output
+
+
+@pytest.mark.slow
+def test_layers_are_read_only_and_unshared(layers):
+    task, cache = layers[0], layers[1]
+    before = _tree_digest(cache)
+    attack = ("for f in /usr/bin/jq /usr/local/lib/python3.11/dist-packages/six.py /etc/passwd /opt/minirsi/bin/x /newdir; do"
+              " (echo pwned > $f) 2>/dev/null && echo WROTE $f; done; rm -f /usr/bin/tree 2>/dev/null && echo REMOVED;"
+              " echo mine > /app/data/a.txt; cat /app/data/a.txt")
+    with open_sandbox(task) as a, open_sandbox(task) as b:
+        ra = a.run(attack, timeout=20)
+        rb = b.run("cat /app/data/a.txt; tree --version | cut -c1-4", timeout=10)
+    assert "WROTE" not in ra.output and "REMOVED" not in ra.output and ra.output.endswith("mine\n")
+    assert rb.output == "the quick brown fox\njumps over\ntree\n"  # the other sandbox's copy is untouched
+    assert _tree_digest(cache) == before
+
+
+@pytest.mark.slow
+def test_verifier_is_root_in_its_jail_but_cannot_write_layers(layers, tmp_path):
+    task_dir = tmp_path / "probe"
+    shutil.copytree(WORD_STATS, task_dir)
+    (task_dir / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nid -u\nfor f in /usr/bin/jq /opt/minirsi-tools/x /etc/hostname; do (echo x > $f) 2>/dev/null && echo WROTE $f; done\n"
+        "ls /sys/class/net 2>/dev/null | grep -v lo; getent hosts pypi.org || echo no-dns\necho 1 > /logs/verifier/reward.txt\n")
+    before = _tree_digest(layers[1])
+    task = load_task(task_dir)  # same environment/ and tool spec: the same layers
+    with open_sandbox(task) as sb:
+        r = verify(sb, task)
+    assert r.success and r.output_tail.split("\n")[0] == "0"
+    assert "WROTE" not in r.output_tail and "no-dns" in r.output_tail
+    assert _tree_digest(layers[1]) == before
+
+
+@pytest.mark.slow
+def test_prepare_cli_names_the_failing_line_and_package(tmp_path, capsys, layers):
+    bad = _variant(tmp_path, "bad-apt", "FROM debian:bookworm\nWORKDIR /app\n"
+                   "RUN apt-get update -qq && apt-get install -y -qq no-such-package-xyz\n")
+    multi = _variant(tmp_path, "multi", "FROM python:3.12 AS b\nRUN true\nFROM debian:bookworm\n")
+    assert cli(["prepare", "-q", str(bad), str(multi)]) == 1
+    out = capsys.readouterr().out
+    assert "Dockerfile:3: RUN apt-get update" in out and "'no-such-package-xyz' not found" in out
+    assert "exited with status 100" in out
+    assert "Dockerfile:3: 'FROM debian:bookworm': a second FROM (multi-stage build)" in out
+    assert "0 ready" in out and "2 failed" in out
+    assert not any(p.name.startswith(layers[0].task_id) or ".partial" in p.name for p in layers[1].iterdir())
+    with pytest.raises(LayerError):  # the API raises what the CLI prints
+        prepare(load_task(bad), default_rootfs())
+
+
+@pytest.mark.slow
+def test_a_run_line_cannot_mount_or_reach_the_host(tmp_path, layers):
+    d = _variant(tmp_path, "escape", "FROM debian:bookworm\nWORKDIR /app\n"
+                 "RUN mount -t tmpfs x /mnt && echo MOUNTED; mknod /tmp/d b 8 0 && echo MKNOD; "
+                 "ls /work /root/.cache 2>&1 | head -3; echo done > /app/probe.txt\n")
+    prepare(load_task(d), default_rootfs())
+    layer = find_prepared(load_task(d), default_rootfs()).env_layer
+    log = (layer.path / "build.log").read_text()
+    assert "\nMOUNTED\n" not in log and "\nMKNOD\n" not in log and "permission denied" in log
+    assert "Operation not permitted" in log and "No such file" in log
+    assert (layer.upper / "app/probe.txt").read_text() == "done\n"
+
+
+@pytest.mark.slow
+def test_check_json_and_unprepared_task(layers, tmp_path, capsys, monkeypatch):
+    assert cli(["check", "--json", str(WORD_STATS)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["summary"] == {"passed": 1, "failed": 0, "invalid": 0, "empty_run_all_checks_failing": 1,
+                                 "with_oracle": 1, "oracle_passes": 1}
+    assert report["tasks"][0]["oracle"]["failing"] == [] and len(report["tasks"][0]["empty"]["failing"]) == 5
+    assert cli(["layers"]) == 0
+    listing = capsys.readouterr().out
+    assert find_prepared(layers[0], default_rootfs()).env_layer.key in listing and " layer(s) in " in listing
+    monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "empty-cache"))
+    assert cli(["check", "--no-prepare", str(WORD_STATS)]) == 1
+    assert f"Fix: minirsi task prepare {WORD_STATS}" in capsys.readouterr().out
+    with pytest.raises(SandboxError, match="not prepared"):
+        open_sandbox(load_task(WORD_STATS))
+
+
+@pytest.mark.slow
+def test_check_reports_a_bad_line_once_as_invalid_and_a_failed_run_as_fail(tmp_path, capsys, layers):
+    twofrom = _variant(tmp_path, "twofrom", "FROM debian:bookworm AS a\nFROM debian:bookworm\n")
+    failing = _variant(tmp_path, "failing-run", "FROM debian:bookworm\nWORKDIR /app\nRUN echo broken; exit 7\n")
+    assert cli(["check", str(twofrom), str(failing), str(WORD_STATS)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("twofrom") == 1 and "INVALID" in out and "Dockerfile:2:" in out
+    assert "failing-run" in out and "Dockerfile:3: RUN echo broken; exit 7: exited with status 7" in out
+    assert "broken" in out  # the RUN's last lines
+    assert "1 passed, 1 failed, 1 invalid (of 3 tasks)" in out
+
+
+@pytest.mark.slow
+def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
+    d = _variant(tmp_path, "pip-style", (WORD_STATS / "environment" / "Dockerfile").read_text())
+    (d / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nset -e\npip install pytest==8.4.1\ncd /app\nset +e\npytest /tests/test_outputs.py -rA\n"
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    task = load_task(d)
+    prepare(task, default_rootfs())  # same environment layer; pytest==8.4.1 alone is a new tools layer
+    row = check_task(task, "bwrap")
+    assert row.ok, row.reasons()
+    assert "pytest-8.4.1" in row.oracle.output_tail and (row.empty.passed, row.empty.total) == (0, 5)
+
+
+@pytest.mark.slow
+def test_a_workdir_missing_from_the_layer_is_named(tmp_path, layers):
+    d = _variant(tmp_path, "nowd", "FROM debian:bookworm\nWORKDIR /app\n")
+    toml = d / "task.toml"
+    toml.write_text(toml.read_text() + 'workdir = "/usr/share/proj"\n')
+    task = load_task(d)
+    prepare(task, default_rootfs())
+    with pytest.raises(SandboxError, match="add WORKDIR /usr/share/proj to the Dockerfile"):
+        open_sandbox(task)
+
+
+@pytest.mark.slow
+def test_copy_and_add_land_where_docker_puts_them(tmp_path, layers):
+    d = _variant(tmp_path, "copies", "FROM debian:bookworm\nWORKDIR /app\nCOPY data/*.txt /glob/\nCOPY . /ctx\n"
+                 "COPY count_hint.txt /renamed.txt\nCOPY [\"data\", \"/json form/\"]\nADD pack.tar /unpacked/\n"
+                 "COPY --chown=1234:1234 data/a.txt rel/\n")
+    with tarfile.open(d / "environment" / "pack.tar", "w") as tar:
+        tar.add(d / "environment" / "count_hint.txt", arcname="inner/hint.txt")
+    task = load_task(d)
+    prepare(task, default_rootfs())
+    up = find_prepared(task, default_rootfs()).env_layer.upper
+    assert sorted(p.name for p in (up / "glob").iterdir()) == ["a.txt", "b.txt", "c.txt"]
+    assert (up / "ctx/data/a.txt").is_file() and (up / "ctx/Dockerfile").is_file()  # the whole context, as docker
+    assert (up / "renamed.txt").read_text().startswith("Tip:")
+    assert (up / "json form/c.txt").is_file() and (up / "unpacked/inner/hint.txt").is_file()
+    assert (up / "app/rel/a.txt").stat().st_uid == 1234  # relative to WORKDIR, chowned
+
+
+@pytest.mark.slow
+def test_test_sh_apt_packages_are_for_the_verifier_only(tmp_path, layers):
+    d = _variant(tmp_path, "apt-tools", (WORD_STATS / "environment" / "Dockerfile").read_text())
+    sh = d / "tests" / "test.sh"
+    sh.write_text(sh.read_text().replace("apt-get install -y curl", "apt-get install -y curl sqlite3"))
+    (d / "tests" / "test_outputs.py").write_text(
+        "import subprocess\n\n\ndef test_sqlite3_is_there():\n"
+        "    assert subprocess.run(['sqlite3', '--version'], capture_output=True).returncode == 0\n")
+    task = load_task(d)
+    prepared, built = prepare(task, default_rootfs())  # the environment layer is reused: only sqlite3 is new
+    assert built and prepared.apt_layer is not None and prepared.env_layer.key == find_prepared(
+        layers[0], default_rootfs()).env_layer.key
+    with open_sandbox(task) as sb:
+        assert sb.run("command -v sqlite3 || echo absent", timeout=10).output == "absent\n"  # not the agent's
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
