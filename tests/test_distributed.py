@@ -14,6 +14,7 @@ import torch
 
 from minirsi import distributed
 from minirsi.distributed import SINGLE, World, max_abs_diff
+from test_serving import procs  # noqa: F401  (a fixture: `minirsi serve` processes)
 
 ROOT = Path(__file__).parents[1]
 TOL = 1e-5
@@ -202,3 +203,38 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "FSDP2 over 2 ranks (gloo, cpu)" in proc.stderr
     _check_run(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchrun_rpr_pushes_the_gathered_actor_to_servers(procs, tmp_path):
+    """Under torchrun (2 ranks), RPR samples on two `minirsi serve` processes; after every joint
+    update the sharded actor is gathered to rank 0 and pushed (tests/test_serving.py's run, sharded)."""
+    from minirsi.models import build_tiny_actor, build_tokenizer, load_actor, save_actor
+    from minirsi.weight_sync import server_prompt_logprobs
+    from test_serving import TOL, _gap, _probe, _trainer_logprobs
+
+    tok = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
+    save_actor(build_tiny_actor(tok, seed=0), tok, tmp_path / "base")
+    a, b = procs(tmp_path / "base", 2)
+    out = tmp_path / "run"
+    proc = minirsi_run([
+        "run", "--out", str(out), "--no-report", f"base.model={tmp_path / 'base'}",
+        f"serving.servers=[{a.url},{b.url}]", "serving.verify_tol=1e-4",
+        "suites.train=4", "suites.core=1", "suites.hard=1", "suites.long=1", "suites.unseen=1",
+        "rollout.max_turns=2", "rollout.max_new_tokens=16", "rollout.command_timeout=5",
+        "rsr1.samples_per_task=1", "rsr2.samples_per_task=1", "baselines.direct_ppo=false",
+        "baselines.critic_reset=false", "baselines.token_gae=false", "baselines.continue_rpr1=0",
+        "rpr1.steps=2", "rpr1.critic_calibration_updates=1", "rpr1.episodes_per_step=4", "rpr1.minibatch_size=4",
+        "rpr2.steps=1", "rpr2.critic_calibration_updates=0", "rpr2.episodes_per_step=4", "rpr2.minibatch_size=4",
+        "eval.k=1", "eval.suites=[core]", "eval.stages=[base]", "eval.rollout.max_turns=1",
+        "eval.rollout.max_new_tokens=16"], 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for stage, joint in (("rpr1", 2), ("rpr2", 1)):
+        syncs = [r for r in recs if r["stage"] == stage and "sync_s" in r]
+        assert len(syncs) == joint + 1 and all(r["sync_max_gap"] <= 1e-4 and r["sync_servers"] == 2 for r in syncs)
+    final, _ = load_actor(out / "stages/05-rpr2/actor")
+    ids = _probe(tok)
+    for p in (a, b):
+        assert _gap(server_prompt_logprobs(p.url, "policy", ids), _trainer_logprobs(final, ids)) <= TOL
