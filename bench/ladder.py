@@ -39,6 +39,9 @@ def pick_pool(tasks: list, args: argparse.Namespace, rollout_fn, actor) -> tuple
     success over ``--measure`` samples lies in ``--select LO:HI``."""
     if args.select == "all":
         return tasks[: args.pool], {}
+    if args.select.startswith("ids="):
+        ids = args.select[4:].split(",")
+        return [t for t in tasks if t.task_id in ids], {}
     if args.select == "first-easy":
         seen, pool = set(), []
         for t in tasks:
@@ -61,7 +64,7 @@ def main() -> int:
     ap.add_argument("--actor", required=True, help="actor checkpoint (e.g. a run's 01-rsr1/actor)")
     ap.add_argument("--tasks", required=True, help="a folder of tasks (e.g. a run's tasks/train)")
     ap.add_argument("--pool", type=int, default=4, help="tasks in the pool")
-    ap.add_argument("--select", default="first-easy", help="first-easy, all (the first --pool tasks), or LO:HI measured success")
+    ap.add_argument("--select", default="first-easy", help="first-easy, all (the first --pool tasks), ids=ID,ID..., or LO:HI measured success")
     ap.add_argument("--measure", type=int, default=8, help="samples per task to measure success (LO:HI)")
     ap.add_argument("--preset", default="toy-cpu", help="preset whose rollout / warmup / rpr1 settings apply")
     ap.add_argument("--tail", type=int, default=4, help="joint steps averaged at the end")
