@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-from minirsi import fdr
 from minirsi.config import load_config
 from minirsi.critic import build_critic, warmup_critic
 from minirsi.evaluate import load_suites
 from minirsi.models import load_actor
-from minirsi.pipeline import RunConfig, count_checks, resolve_preset
+from minirsi.pipeline import RunConfig, calibrate_scales, resolve_preset
 from minirsi.rpr import make_rollout_fn, run_rpr, score
 
 
@@ -82,10 +81,7 @@ def main() -> int:
     if not pool:
         print(f"no task of {root} matches --select {args.select}", file=sys.stderr)
         return 1
-    counts: dict[str, list[int]] = {}
-    for t in tasks:
-        counts.setdefault(t.family, []).append(count_checks(t))
-    scales = fdr.calibrate(counts, quantile=cfg.fdr_quantile, fallback=cfg.fdr_fallback)
+    scales = calibrate_scales(tasks, cfg)
     print(f"pool ({len(pool)}): {[t.task_id for t in pool]} {measured or ''}", flush=True)
 
     t0 = time.time()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -31,17 +30,9 @@ from minirsi.layers import prepare  # noqa: E402
 from minirsi.sandbox import open_sandbox  # noqa: E402
 from minirsi.sandbox.bwrap import default_rootfs  # noqa: E402
 from minirsi.tasks import load_task  # noqa: E402
+from timing import median_ms  # noqa: E402  (bench/timing.py: this script's folder is on sys.path)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tasks"
-
-
-def median_ms(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:

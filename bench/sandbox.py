@@ -17,27 +17,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minirsi.sandbox import SandboxError, open_sandbox  # noqa: E402
 from minirsi.tasks import load_task  # noqa: E402
+from timing import median_ms  # noqa: E402  (bench/timing.py: this script's folder is on sys.path)
 
 TASK = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tasks" / "good" / "hello"
-
-
-def median_ms(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def measure(backend: str, n: int, opens: int) -> dict[str, float]:

@@ -70,7 +70,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
-import yaml
 
 from minirsi import distributed
 from minirsi.config import ConfigError, load_config, save_config, to_dict
@@ -795,6 +794,16 @@ def count_checks(task: Any) -> int:
     return sum(1 for hygiene in checks.values() if not hygiene)
 
 
+def calibrate_scales(tasks: Sequence[Any], cfg: RunConfig) -> dict[str, float]:
+    """D_f of every family of ``tasks`` (the training pool), from their check counts C."""
+    from minirsi import fdr
+
+    counts: dict[str, list[int]] = {}
+    for t in tasks:
+        counts.setdefault(t.family, []).append(count_checks(t))
+    return fdr.calibrate(counts, quantile=cfg.fdr_quantile, fallback=cfg.fdr_fallback)
+
+
 def base_cache_path(cfg: RunConfig) -> Path | None:
     """Where ``base.cache_dir`` keeps the Base of this pretrain config (None: no cache)."""
     if not cfg.base.cache_dir:
@@ -836,10 +845,7 @@ class RecipeRunner:
         for s in needed:
             self.tasks(cfg, run_, s)  # fail now, not hours later, on a missing or empty suite
         if not run_.calibration.is_file():
-            counts: dict[str, list[int]] = {}
-            for t in self.tasks(cfg, run_, "train"):
-                counts.setdefault(t.family, []).append(count_checks(t))
-            scales = fdr.calibrate(counts, quantile=cfg.fdr_quantile, fallback=cfg.fdr_fallback)
+            scales = calibrate_scales(self.tasks(cfg, run_, "train"), cfg)
             tmp = run_.calibration.with_name(".calibration.json.tmp")
             fdr.save_scales(scales, tmp)
             os.replace(tmp, run_.calibration)  # frozen from here on: a resume reads this file

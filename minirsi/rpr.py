@@ -296,9 +296,8 @@ def approx_kl(
     estimator for samples from pi_theta; on pi_old's samples its mean is chi^2 - KL, and a token
     whose log-prob fell by 3 nats would count 16.1 instead of 2.05.) (B, T) inputs.
     """
-    m = action_mask.bool()
-    log_r = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs))  # (B, T)
-    return masked_mean(torch.exp(log_r) - 1 - log_r, m, normalizer)
+    # kl_penalty's k3 with the two policies swapped: d = log pi_theta - log pi_old = log r
+    return kl_penalty(old_logprobs, logprobs, action_mask, normalizer)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
