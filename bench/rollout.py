@@ -54,21 +54,8 @@ import torch
 
 from minirsi.rollout import RolloutConfig, RolloutStats, collect
 from minirsi.sampler import HFSampler
-
-
-def load_model(path: str | None, tasks: list):
-    """The model under test; the random one gets a BPE trained on the tasks' own text (their
-    instructions and reference solutions), which is all the shell vocabulary the bench needs."""
-    if path:
-        from minirsi.models import load_actor
-
-        return load_actor(path)
-    from minirsi.models import build_tiny_actor, build_tokenizer
-
-    texts = [t.instruction for t in tasks]
-    texts += [t.solution_script.read_text() for t in tasks if t.solution_script.is_file()]
-    tok = build_tokenizer(texts * 4, vocab_size=2048)
-    return build_tiny_actor(tok, seed=0), tok
+from minirsi.sandbox import BACKENDS
+from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
 
 
 def main() -> None:
@@ -79,7 +66,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--sequential-episodes", type=int, default=None,
                    help="episodes timed one at a time (default: all; fewer are scaled up)")
-    p.add_argument("--backend", default="bwrap", choices=["bwrap", "docker"])
+    p.add_argument("--backend", default="bwrap", choices=BACKENDS)
     # One intra-op thread: on a shared 2-core machine, spinning OpenMP workers made a second
     # thread 5-10x slower, not faster (measured: sequential 1026 s with 2 threads, 48 s with 1).
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")

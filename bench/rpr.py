@@ -49,7 +49,9 @@ import torch
 
 from minirsi.critic import build_critic
 from minirsi.episode import Episode
+from minirsi.models import pad_id_of
 from minirsi.rpr import RPRConfig, make_optimizers, make_rollout_fn, ppo_update, prepare_batch, run_rpr
+from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
 
 
 def synthetic_episodes(n: int, vocab: int, prompt: int, turns: int, action: int, obs: int, seed: int = 0) -> list[Episode]:
@@ -71,19 +73,6 @@ def synthetic_episodes(n: int, vocab: int, prompt: int, turns: int, action: int,
                            action_mask=mask, turn_ids=turn_ids, turns=turns, success=bool(i % 2),
                            passed=i % 3, total=2))
     return eps
-
-
-def load_model(path: str | None, tasks: list):
-    if path:
-        from minirsi.models import load_actor
-
-        return load_actor(path)
-    from minirsi.models import build_tiny_actor, build_tokenizer
-
-    texts = [t.instruction for t in tasks]
-    texts += [t.solution_script.read_text() for t in tasks if t.solution_script.is_file()]
-    tok = build_tokenizer(texts * 4, vocab_size=2048)
-    return build_tiny_actor(tok, seed=0), tok
 
 
 def rss_mib() -> float:
@@ -142,7 +131,7 @@ def main() -> None:
         times, n_act = [], 0.0
         for r in range(args.repeats):
             t0 = time.perf_counter()
-            batch = prepare_batch(actor, critic, eps, rewards, cfg, pad_id=tok.pad_token_id or 0)
+            batch = prepare_batch(actor, critic, eps, rewards, cfg, pad_id=pad_id_of(tok))
             m = ppo_update(actor, critic, batch, cfg, optimizers)
             if cuda:
                 torch.cuda.synchronize()

@@ -46,6 +46,10 @@ from transformers import PreTrainedTokenizerBase
 
 COMPLETE = "TASK_COMPLETE"
 
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+"""ChatML's turn markers; IM_END ends every turn and is the sampler's stop token."""
+
 SYSTEM_PROMPT = (
     "You are in a Linux shell. Reply with commands in a ```bash block; you will see their "
     f"output. When the task is done, reply {COMPLETE}."
@@ -187,9 +191,10 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
-def _special(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+def special_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of a ChatML special token (``IM_START``, ``IM_END``); a tokenizer without it raises."""
     i = tokenizer.convert_tokens_to_ids(token)
-    if i is None or i == tokenizer.unk_token_id:
+    if i is None or i == getattr(tokenizer, "unk_token_id", None):
         raise ValueError(f"tokenizer has no {token} token; use a ChatML tokenizer (models.build_tokenizer, Qwen)")
     return int(i)
 
@@ -197,10 +202,10 @@ def _special(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
 def _message_ids(tokenizer: PreTrainedTokenizerBase, role: str, content: str) -> list[int]:
     """'<|im_start|>{role}\\n{content}<|im_end|>' (no trailing newline)."""
     return (
-        [_special(tokenizer, "<|im_start|>")]
+        [special_id(tokenizer, IM_START)]
         + _text_ids(tokenizer, f"{role}\n")
         + _text_ids(tokenizer, content)
-        + [_special(tokenizer, "<|im_end|>")]
+        + [special_id(tokenizer, IM_END)]
     )
 
 
@@ -217,7 +222,7 @@ def render_prompt_ids(
         + nl
         + _message_ids(tokenizer, "user", instruction)
         + nl
-        + [_special(tokenizer, "<|im_start|>")]
+        + [special_id(tokenizer, IM_START)]
         + _text_ids(tokenizer, "assistant\n")
     )
 
@@ -230,14 +235,14 @@ def render_observation_ids(tokenizer: PreTrainedTokenizerBase, observation: str)
         nl
         + _message_ids(tokenizer, "user", observation)
         + nl
-        + [_special(tokenizer, "<|im_start|>")]
+        + [special_id(tokenizer, IM_START)]
         + _text_ids(tokenizer, "assistant\n")
     )
 
 
 def render_action_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """encode(text) + [<|im_end|>]: the canonical ids of an action written as text (SFT)."""
-    return _text_ids(tokenizer, text) + [_special(tokenizer, "<|im_end|>")]
+    return _text_ids(tokenizer, text) + [special_id(tokenizer, IM_END)]
 
 
 def decode_action(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:

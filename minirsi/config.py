@@ -21,6 +21,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from minirsi.atomic import atomic_write_text
+
 T = TypeVar("T")
 
 
@@ -78,7 +80,8 @@ def to_dict(cfg: Any) -> dict:
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """``cfg`` as YAML, atomically (a resume reads it back with ``load_config``)."""
+    atomic_write_text(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def _read_yaml(path: Path) -> dict:

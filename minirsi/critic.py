@@ -59,18 +59,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
-from minirsi.episode import Episode, collate
+from minirsi.distributed import SINGLE, World
+from minirsi.episode import Episode, collate, forward_by_length, masked_mean, minibatches
 from minirsi.tb_gae import tb_gae
-
-if TYPE_CHECKING:  # distributed imports nothing from here at import time; a type hint only
-    from minirsi.distributed import World
 
 logger = logging.getLogger(__name__)
 
@@ -255,16 +253,13 @@ def value_loss(
         normalizer: N; defaults to m.sum(). Gradient accumulation passes the minibatch's
             token count so that micro-batch losses add up to the minibatch token mean.
     Returns:
-        scalar loss. Positions with m = 0 never enter it (``torch.where``, not a product, so
-        even a non-finite value there cannot leak in).
+        scalar loss. Positions with m = 0 never enter it (``episode.masked_mean``).
     """
-    mask = action_mask.bool()
     err = (values - returns) ** 2  # (B, T)
     if clip:
         v_clip = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (v_clip - returns) ** 2)
-    n = mask.sum().clamp(min=1) if normalizer is None else normalizer
-    return 0.5 * torch.where(mask, err, torch.zeros_like(err)).sum() / n
+    return 0.5 * masked_mean(err, action_mask, normalizer)  # x 0.5 is exact: same bits as (0.5 sum) / N
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -286,58 +281,6 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.
 # --------------------------------------------------------------------------- training loops
 
 
-def minibatches(
-    n: int, minibatch_size: int, grad_accum: int, generator: torch.Generator,
-    lengths: torch.Tensor | None = None,
-) -> Iterator[list[torch.Tensor]]:
-    """A seeded random permutation of range(n) cut into minibatches of ``minibatch_size`` (the
-    last may be smaller), each split into up to ``grad_accum`` micro-batches of index tensors.
-
-    Minibatches are uniformly random: grouping episodes by length would group them by outcome
-    (short episodes are mostly successes, long ones turn-limit failures), so each optimizer step
-    would see one-signed advantages. With ``lengths`` (n,), only the order *inside* a minibatch
-    is by length, so its micro-batches pad less; the minibatch, hence its gradient, is the same.
-    """
-    perm = torch.randperm(n, generator=generator)
-    for start in range(0, n, minibatch_size):
-        mb = perm[start:start + minibatch_size]
-        if lengths is not None:
-            mb = mb[torch.argsort(lengths[mb], descending=True, stable=True)]
-        yield [c for c in torch.chunk(mb, min(grad_accum, len(mb)))]
-
-
-def trimmed(batch: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Rows ``idx`` of a right-padded (B, T) batch, cut after their longest sequence (the
-    columns past it are padding in every selected row; causal attention never lets a real
-    token see them, so the result is the same as on the full width)."""
-    mask = batch["attention_mask"]
-    T = mask.shape[1]
-    width = int(mask[idx].sum(1).max()) if len(idx) else 0
-    return {k: v[idx, :width] if v.dim() == 2 and v.shape[1] == T else v[idx] for k, v in batch.items()}
-
-
-def by_length(lengths: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
-    """Index tensors of up to ``chunk`` rows each, longest first (for no-grad passes)."""
-    order = torch.argsort(lengths, descending=True, stable=True)
-    yield from torch.split(order, chunk)
-
-
-def forward_by_length(
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: dict[str, torch.Tensor], chunk: int
-) -> torch.Tensor:
-    """``fn(input_ids, attention_mask) -> (b, t)`` float32 over a right-padded batch, without
-    grad, ``chunk`` sequences of similar length at a time (bounds memory), each pass cut to its
-    rows' longest length; (B, T), 0 past a pass's width."""
-    mask = batch["attention_mask"]
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    with torch.no_grad():
-        for idx in by_length(mask.sum(1), chunk):
-            sub = trimmed({"input_ids": batch["input_ids"], "attention_mask": mask}, idx)
-            y = fn(sub["input_ids"], sub["attention_mask"])
-            out[idx, : y.shape[1]] = y
-    return out
-
-
 def compute_values(critic: ValueModel, batch: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
     """V (B, T) without grad (``forward_by_length``)."""
     return forward_by_length(critic, batch, chunk)
@@ -350,7 +293,7 @@ def warmup_critic(
     cfg: WarmupConfig,
     optimizer: torch.optim.Optimizer | None = None,
     pad_id: int = 0,
-    world: "World | None" = None,
+    world: World | None = None,
 ) -> list[float]:
     """Warm-up Critic Model: ``cfg.epochs`` critic-only epochs over rollouts of a frozen actor.
 
@@ -366,8 +309,6 @@ def warmup_critic(
     Returns:
         EV per update, in order.
     """
-    from minirsi.distributed import SINGLE
-
     world = world or SINGLE
     if len(episodes) != len(rewards):
         raise ValueError(f"warmup_critic: {len(episodes)} episodes but {len(rewards)} rewards")

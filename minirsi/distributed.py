@@ -59,6 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minirsi.episode import forward_by_length, trimmed
+
 logger = logging.getLogger(__name__)
 
 
@@ -88,8 +90,6 @@ class World:
         (row 0, action mask 0) when the rank has none. The batch itself at world size 1."""
         if self.size == 1:
             return batch
-        from minirsi.critic import trimmed
-
         B = batch["attention_mask"].shape[0]
         idx = torch.arange(self.rank, B, self.size)
         if len(idx):
@@ -108,10 +108,8 @@ class World:
 
     def forward_rows(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                      batch: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
-        """``critic.forward_by_length`` with the rows split over the ranks (each computes rows
+        """``episode.forward_by_length`` with the rows split over the ranks (each computes rows
         rank::W, padded to the same count so every rank runs as many passes) and all-gathered."""
-        from minirsi.critic import forward_by_length
-
         if self.size == 1:
             return forward_by_length(fn, batch, chunk)
         mask = batch["attention_mask"]

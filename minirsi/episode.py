@@ -22,6 +22,11 @@ METHOD.md asks every sequence to end on an action (where the reward sits).
 
 Rewards are not stored per token: ``collate`` places one scalar per episode on its last action
 token, which is where TB-GAE expects it.
+
+The batching that the critic warm-up and the PPO update share lives here too: ``masked_mean``
+(the token mean over action tokens of every loss and metric), ``minibatches`` (seeded random
+minibatches, micro-batches ordered by length), ``trimmed`` (rows of a padded batch, cut to
+their longest) and ``forward_by_length`` (no-grad passes in chunks of similar length).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
+
+from minirsi.atomic import atomic_open
 
 
 @dataclass
@@ -98,12 +105,9 @@ class Episode:
 
 def write_jsonl(episodes: Iterable[Episode], path: str | Path) -> None:
     """Write episodes to ``path`` (one per line), atomically: a crash leaves the old file."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
+    with atomic_open(path) as f:
         for ep in episodes:
             f.write(ep.to_json() + "\n")
-    os.replace(tmp, path)
 
 
 class JsonlWriter:
@@ -195,4 +199,65 @@ def collate(
         out["rewards"] = reward_t
     if device is not None:
         out = {k: v.to(device) for k, v in out.items()}
+    return out
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+    """sum_t m_t x_t / N over (B, T) (N = m.sum(), at least 1, unless given); positions with
+    m = 0 are never read (``torch.where``, not a product, so a non-finite value there cannot
+    leak in). The token mean of every loss and metric over action tokens."""
+    m = mask.bool()
+    n = m.sum().clamp(min=1) if normalizer is None else normalizer
+    return torch.where(m, x, torch.zeros_like(x)).sum() / n
+
+
+def minibatches(
+    n: int, minibatch_size: int, grad_accum: int, generator: torch.Generator,
+    lengths: torch.Tensor | None = None,
+) -> Iterator[list[torch.Tensor]]:
+    """A seeded random permutation of range(n) cut into minibatches of ``minibatch_size`` (the
+    last may be smaller), each split into up to ``grad_accum`` micro-batches of index tensors.
+
+    Minibatches are uniformly random: grouping episodes by length would group them by outcome
+    (short episodes are mostly successes, long ones turn-limit failures), so each optimizer step
+    would see one-signed advantages. With ``lengths`` (n,), only the order *inside* a minibatch
+    is by length, so its micro-batches pad less; the minibatch, hence its gradient, is the same.
+    """
+    perm = torch.randperm(n, generator=generator)
+    for start in range(0, n, minibatch_size):
+        mb = perm[start:start + minibatch_size]
+        if lengths is not None:
+            mb = mb[torch.argsort(lengths[mb], descending=True, stable=True)]
+        yield [c for c in torch.chunk(mb, min(grad_accum, len(mb)))]
+
+
+def trimmed(batch: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows ``idx`` of a right-padded (B, T) batch, cut after their longest sequence (the
+    columns past it are padding in every selected row; causal attention never lets a real
+    token see them, so the result is the same as on the full width)."""
+    mask = batch["attention_mask"]
+    T = mask.shape[1]
+    width = int(mask[idx].sum(1).max()) if len(idx) else 0
+    return {k: v[idx, :width] if v.dim() == 2 and v.shape[1] == T else v[idx] for k, v in batch.items()}
+
+
+def by_length(lengths: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
+    """Index tensors of up to ``chunk`` rows each, longest first (for no-grad passes)."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    yield from torch.split(order, chunk)
+
+
+def forward_by_length(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: dict[str, torch.Tensor], chunk: int
+) -> torch.Tensor:
+    """``fn(input_ids, attention_mask) -> (b, t)`` float32 over a right-padded batch, without
+    grad, ``chunk`` sequences of similar length at a time (bounds memory), each pass cut to its
+    rows' longest length; (B, T), 0 past a pass's width."""
+    mask = batch["attention_mask"]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    with torch.no_grad():
+        for idx in by_length(mask.sum(1), chunk):
+            sub = trimmed({"input_ids": batch["input_ids"], "attention_mask": mask}, idx)
+            y = fn(sub["input_ids"], sub["attention_mask"])
+            out[idx, : y.shape[1]] = y
     return out

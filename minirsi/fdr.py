@@ -40,9 +40,10 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import os
 from pathlib import Path
 from typing import Mapping, Sequence
+
+from minirsi.atomic import atomic_write_json
 
 __all__ = [
     "DEFAULT_QUANTILE", "DEFAULT_FALLBACK", "Scales", "calibrate", "quantile_linear",
@@ -170,9 +171,7 @@ def save_scales(scales: Mapping[str, float], path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"format": SCALES_FORMAT, "quantile": scales.quantile, "fallback": scales.fallback,
            "D_f": dict(sorted(scales.items()))}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, doc)
 
 
 def load_scales(path: str | Path) -> Scales:

@@ -43,11 +43,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from minirsi.actions import IM_END, IM_START
+
 logger = logging.getLogger(__name__)
 
 PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]  # ids 0, 1, 2 in a tokenizer built here
 
 # ChatML, as Qwen writes it: every message is "<|im_start|>{role}\n{content}<|im_end|>\n",
@@ -277,18 +277,32 @@ def token_logprobs(
     input_ids: torch.Tensor,  # (B, T)
     attention_mask: torch.Tensor | None = None,  # (B, T)
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = 1024,
 ) -> torch.Tensor:  # (B, T)
-    """log pi(x_t | x_<t) / tau at every position t; position 0 (no context) holds 0.
-
-    The log-softmax is taken ``chunk_size`` positions at a time, so only one chunk of fp32
-    (B, chunk, V) log-probabilities exists besides the logits (V is ~150k for Qwen3). Gradients
-    flow through unless the caller wraps it in ``torch.no_grad()``.
-    """
+    """log pi(x_t | x_<t) / tau at every position t of ``model``'s forward pass
+    (``logprobs_from_logits``). Gradients flow through unless the caller wraps it in
+    ``torch.no_grad()``."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs need a positive temperature")
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+    return logprobs_from_logits(logits, input_ids, temperature, chunk_size)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,  # (B, T, V)
+    input_ids: torch.Tensor,  # (B, T)
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+) -> torch.Tensor:  # (B, T)
+    """log softmax(logits_{t-1} / tau)[x_t] at every position t: position t scores token t given
+    the tokens before it; position 0 has no context and holds 0 (it is never an action: every
+    sequence starts with the prompt).
+
+    The log-softmax is taken ``chunk_size`` positions at a time (None: all at once), so only one
+    chunk of fp32 (B, chunk, V) log-probabilities exists besides the logits (V is ~150k for Qwen3).
+    """
     B, T = input_ids.shape
+    chunk_size = chunk_size or max(T - 1, 1)
     targets = input_ids[:, 1:]  # (B, T-1): x_t for t >= 1
     pieces = []
     for s in range(0, T - 1, chunk_size):
@@ -297,6 +311,12 @@ def token_logprobs(
         pieces.append(lp.gather(-1, targets[:, s : s + z.shape[1]].unsqueeze(-1)).squeeze(-1))  # (B, c)
     first = torch.zeros((B, 1), dtype=torch.float32, device=input_ids.device)
     return torch.cat([first] + pieces, dim=1)  # (B, T)
+
+
+def pad_id_of(tokenizer: object) -> int:
+    """The id padding uses: the tokenizer's pad token, 0 when it has none."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:

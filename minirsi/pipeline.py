@@ -965,7 +965,7 @@ class RecipeRunner:
         critic = world.shard(build_critic(actor).to(cfg.device))
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.warmup.lr_critic, weight_decay=0.0)
         wcfg = dataclasses.replace(cfg.warmup, seed=seed)
-        evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=tok.pad_token_id or 0,
+        evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=pad_id_of(tok),
                             world=world)
         binary = sum(e.success for e in usable) / len(usable)
         for i, ev in enumerate(evs):

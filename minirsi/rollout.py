@@ -69,11 +69,10 @@ from tqdm import tqdm
 from minirsi import actions
 from minirsi.episode import Episode, JsonlWriter
 from minirsi.sampler import FINISH_LENGTH, Sample, Sampler
+from minirsi.sandbox import BACKENDS
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("bwrap", "docker")
-IM_END = "<|im_end|>"  # the end of every ChatML turn: the sampler's stop token
 
 
 @dataclass
@@ -190,13 +189,6 @@ def _default_verify(sandbox: Any, task: Any) -> Any:
     return verify(sandbox, task)
 
 
-def _im_end_id(tokenizer: Any) -> int:
-    i = tokenizer.convert_tokens_to_ids(IM_END)
-    if i is None or i == getattr(tokenizer, "unk_token_id", None):
-        raise ValueError(f"the tokenizer has no {IM_END} token; use a ChatML tokenizer (models.build_tokenizer, Qwen)")
-    return int(i)
-
-
 def _step_seed(seed: int | None, step: int) -> int | None:
     # Mix (seed, step) so that runs with seeds s and s+1 do not share step streams.
     return None if seed is None else (seed * 1_000_003 + step) % (2**63)
@@ -233,7 +225,7 @@ def collect(
     """
     stats = stats if stats is not None else RolloutStats()
     t_start = time.monotonic()
-    stop_id = _im_end_id(tokenizer)
+    stop_id = actions.special_id(tokenizer, actions.IM_END)
     prompts = [actions.render_prompt_ids(tokenizer, t.instruction) for t in tasks]
     for t, p in zip(tasks, prompts):
         if len(p) + cfg.max_new_tokens > cfg.max_context_tokens:
@@ -458,7 +450,7 @@ def _observe(
         return  # the answer to the last action is not part of the training sequence
     obs_ids = actions.render_observation_ids(tokenizer, text)
     if sample.finish_reason == FINISH_LENGTH:  # the reply was cut: the harness closes its turn
-        obs_ids = [_im_end_id(tokenizer)] + obs_ids
+        obs_ids = [actions.special_id(tokenizer, actions.IM_END)] + obs_ids
     if len(run.ids) + len(obs_ids) + cfg.max_new_tokens > cfg.max_context_tokens:
         run.stop_reason = "context"
         return

@@ -73,9 +73,10 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from minirsi.critic import ValueModel, explained_variance, minibatches, trimmed, value_loss
+from minirsi.critic import ValueModel, explained_variance, value_loss
 from minirsi.distributed import SINGLE, World
-from minirsi.episode import Episode, collate
+from minirsi.episode import Episode, collate, masked_mean, minibatches, trimmed
+from minirsi.models import logprobs_from_logits, pad_id_of
 from minirsi.tb_gae import tb_gae
 
 logger = logging.getLogger(__name__)
@@ -205,13 +206,6 @@ def make_optimizers(actor: nn.Module, critic: ValueModel, cfg: RPRConfig) -> Opt
 # --------------------------------------------------------------------------- pure losses
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
-    """sum_t m_t x_t / N (N = m.sum() unless given); positions with m = 0 are never read."""
-    m = mask.bool()
-    n = m.sum().clamp(min=1) if normalizer is None else normalizer
-    return torch.where(m, x, torch.zeros_like(x)).sum() / n
-
-
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -320,22 +314,20 @@ def policy_forward(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
     with_entropy: bool = False, entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs log pi(x_t | x_<t) at ``temperature``, and optionally entropies.
+    """Per-token log-probs log pi(x_t | x_<t) at ``temperature`` (``models.logprobs_from_logits``,
+    in one piece), and optionally entropies.
 
-    input_ids, attention_mask: (B, T). Returns (logprobs (B, T), entropy (B, T) or None);
-    position t scores token t given the tokens before it; position 0 has no context and is 0
-    (it is never an action: every sequence starts with the prompt). ``entropy_grad=False``
-    computes the entropy as a metric only (no graph: saves a few (B, T, V) activations).
+    input_ids, attention_mask: (B, T). Returns (logprobs (B, T), entropy (B, T) or None), both 0
+    at position 0. ``entropy_grad=False`` computes the entropy as a metric only (no graph: saves
+    a few (B, T, V) activations).
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (B, T-1, V)
-    logits = logits.float() / temperature
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    zeros = lp.new_zeros(lp.shape[0], 1)
-    logprobs = torch.cat([zeros, lp], dim=1)  # (B, T)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+    logprobs = logprobs_from_logits(logits, input_ids, temperature, chunk_size=None)  # (B, T)
     if not with_entropy:
         return logprobs, None
     with nullcontext() if entropy_grad else torch.no_grad():
-        return logprobs, torch.cat([zeros, entropy_from_logits(logits)], dim=1)
+        entropy = entropy_from_logits(logits[:, :-1].float() / temperature)  # (B, T-1)
+        return logprobs, torch.cat([logprobs.new_zeros(logprobs.shape[0], 1), entropy], dim=1)
 
 
 def _nograd_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], cfg: RPRConfig,
@@ -601,7 +593,6 @@ def run_rpr(
     next rollout (the weight sync to inference servers, ``minirsi.weight_sync``); its metrics
     join the step's record. Calibration steps leave the actor unchanged and do not call it."""
     torch.manual_seed(cfg.seed)
-    pad_id = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
         ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref = the actor as the stage starts
     optimizers = optimizers or make_optimizers(actor, critic, cfg)
@@ -619,7 +610,7 @@ def run_rpr(
             raise RuntimeError(f"RPR step {step}: no episode has an action token; check the sampler/sandbox")
         rewards = score(usable, cfg.reward, scales, scales_prime)
         fdr = score(usable, "fdr", scales)
-        batch = prepare_batch(actor, critic, usable, rewards, cfg, pad_id, ref_model, world)
+        batch = prepare_batch(actor, critic, usable, rewards, cfg, pad_id_of(tokenizer), ref_model, world)
         metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model, update_actor=phase == "joint",
                              seed=step_seed, world=world)
         t2 = time.perf_counter()

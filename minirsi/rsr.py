@@ -57,7 +57,9 @@ from torch import nn
 
 from minirsi import actions
 from minirsi.distributed import SINGLE, World
-from minirsi.episode import Episode
+from minirsi.episode import Episode, masked_mean
+from minirsi.models import pad_id_of
+from minirsi.sandbox import BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +104,8 @@ class RSRConfig:
                 raise ValueError(f"RSRConfig.{name}={getattr(self, name)}: must be > 0")
         if self.planner_temperature < 0:
             raise ValueError(f"RSRConfig.planner_temperature={self.planner_temperature}: must be >= 0 (0 = greedy)")
-        if self.backend not in ("bwrap", "docker"):
-            raise ValueError(f"RSRConfig.backend={self.backend!r}: use 'bwrap' or 'docker'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"RSRConfig.backend={self.backend!r}: use one of {BACKENDS}")
 
 
 # --------------------------------------------------------------------------- cleaning
@@ -308,9 +310,7 @@ def sft_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     replaces sum_t m_t (a sharded step passes N / W, minirsi.distributed)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, T-1)
-    m = action_mask[:, 1:].bool()
-    n = m.sum().clamp(min=1) if normalizer is None else normalizer
-    return torch.where(m, nll, torch.zeros_like(nll)).sum() / n
+    return masked_mean(nll, action_mask[:, 1:], normalizer)
 
 
 def make_optimizer(model: nn.Module, cfg: RSRConfig) -> torch.optim.Optimizer:
@@ -445,8 +445,7 @@ def run_rsr(
                                                      replay, by_id, tokenizer, cfg))
     actor.train(was_training)
     stats.sft_examples = len(examples)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    losses = sft(actor, list(examples.values()), cfg, pad_id, optimizer, world)
+    losses = sft(actor, list(examples.values()), cfg, pad_id_of(tokenizer), optimizer, world)
     if losses:
         stats.sft_loss_first, stats.sft_loss_last = losses[0], losses[-1]
     stats.seconds = time.perf_counter() - t0

@@ -305,7 +305,7 @@ def test_length_trimmed_forward_passes_equal_the_full_width_pass():
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 8), st.integers(1, 3),
        st.integers(0, 10**6))
 def test_minibatches_cover_each_episode_once_with_micro_batches_by_length(lengths, size, accum, seed):
-    from minirsi.critic import minibatches
+    from minirsi.episode import minibatches
 
     L = torch.tensor(lengths)
     gen = torch.Generator().manual_seed(seed)
@@ -321,7 +321,7 @@ def test_minibatches_cover_each_episode_once_with_micro_batches_by_length(length
 def test_minibatches_are_random_not_grouped_by_length():
     """Length-grouped minibatches are outcome-grouped on the shell tasks (short episodes are mostly
     successes): every minibatch must be a uniform random draw, and each epoch a new one."""
-    from minirsi.critic import minibatches
+    from minirsi.episode import minibatches
 
     L = torch.arange(1, 33)  # 32 episodes, every length different
     gen = torch.Generator().manual_seed(0)
@@ -362,7 +362,7 @@ def test_target_kl_stops_at_the_first_minibatch_over_the_target():
     log-probs 2 nats above the actor's (approx KL e^-2 + 1 = 1.135 there, 0 elsewhere). With
     target 0.5 the actor takes exactly 2 steps; with 1.2 it takes all 4. The reversed estimator
     (e^2 - 3 = 4.39) would stop at 1.2 too; at 1-nat shifts it would stop where KL = 0.37."""
-    from minirsi.critic import minibatches
+    from minirsi.episode import minibatches
 
     actor = tiny_qwen()
     critic = build_critic(actor)

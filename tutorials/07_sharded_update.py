@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from minirsi import distributed  # noqa: E402
-from minirsi.critic import build_critic, minibatches, trimmed  # noqa: E402
+from minirsi.critic import build_critic  # noqa: E402
+from minirsi.episode import minibatches, trimmed  # noqa: E402
 from minirsi.distributed import SINGLE, World, max_abs_diff  # noqa: E402
 from minirsi.episode import Episode  # noqa: E402
 from minirsi.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
