@@ -28,8 +28,9 @@ from minirsi.config import load_config
 from minirsi.critic import build_critic, warmup_critic
 from minirsi.evaluate import load_suites
 from minirsi.models import load_actor
-from minirsi.pipeline import RunConfig, calibrate_scales, resolve_preset
+from minirsi.recipe import RunConfig, resolve_preset
 from minirsi.rpr import make_rollout_fn, run_rpr, score
+from minirsi.stages import calibrate_scales
 
 
 def pick_pool(tasks: list, args: argparse.Namespace, rollout_fn, actor) -> tuple[list, dict[str, float]]:

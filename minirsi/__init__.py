@@ -1,7 +1,7 @@
 """minirsi: a compact reference implementation of Terminal-RSI.
 
 One file per idea; start with ``tb_gae.py`` (credit assignment), ``fdr.py`` / ``spr.py``
-(rewards), then ``rsr.py`` / ``rpr.py`` (the two stage types) and ``pipeline.py`` (the
+(rewards), then ``rsr.py`` / ``rpr.py`` (the two stage types) and ``recipe.py`` (the
 five-stage recipe). ``../shared/METHOD.md`` (in the repository: README) fixes every definition.
 """
 

@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("minirsi.pretrain", "train the tiny Base model on generated shell sessions"),
     "rollout": ("minirsi.rollout", "run the agent on tasks and write episodes as JSONL"),
     "serve": ("minirsi.serve", "serve a model over an OpenAI-compatible completions API"),
-    "run": ("minirsi.pipeline", "the five-stage recipe: Base -> RSR-1 -> RPR-1 -> RSR-2 -> RPR-2"),
+    "run": ("minirsi.recipe", "the five-stage recipe: Base -> RSR-1 -> RPR-1 -> RSR-2 -> RPR-2"),
     "eval": ("minirsi.evaluate", "Mean@3 of a checkpoint on the toy suites"),
     "report": ("minirsi.report", "write the Markdown report and plots of a run"),
     "audit": ("minirsi.report", "rescore a run's episodes under FDR and SPR"),

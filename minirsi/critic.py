@@ -105,7 +105,7 @@ class WarmupConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
     seed: int = 0
-    """Seeds the minibatch shuffle (the pipeline sets it from the run seed)."""
+    """Seeds the minibatch shuffle (the recipe sets it from the run seed)."""
 
     def __post_init__(self) -> None:
         for name in ("samples_per_task", "epochs", "minibatch_size", "grad_accum"):

@@ -1,7 +1,7 @@
 """Data parallel over episodes with FSDP2: the same RSR and RPR code on W ranks.
 
 Under ``torchrun --nproc_per_node W`` (or ``accelerate launch``) every rank runs the same
-pipeline. Nothing in tb_gae.py, rpr.py's losses, rsr.py's SFT step or critic.py's value loss
+recipe. Nothing in tb_gae.py, rpr.py's losses, rsr.py's SFT step or critic.py's value loss
 changes; they receive a ``World`` and call its methods at the points where one process and W
 processes differ:
 

@@ -88,10 +88,11 @@ def check_scale(D: object, what: str) -> float:
     return float(D)
 
 
-def check_quantile(quantile: object) -> float:
+def check_quantile(quantile: object, what: str = "quantile") -> float:
+    """The one definition of a valid calibration quantile q (``RunConfig.fdr_quantile`` too)."""
     if isinstance(quantile, bool) or not isinstance(quantile, numbers.Real) or not (
             0.0 <= quantile <= 1.0):  # also rejects NaN
-        raise ValueError(f"quantile = {quantile!r} must lie in [0, 1]")
+        raise ValueError(f"{what} = {quantile!r} must lie in [0, 1], e.g. 0.9")
     return float(quantile)
 
 

@@ -33,7 +33,7 @@ Choices the paper leaves open, ours:
   capped at C (``tis_cap``) so a token the sampler found much likelier than the trainer does
   cannot dominate the batch. Logged: ``tis_capped_frac``, the share of action tokens whose
   ratio exceeded C, beside ``logprob_gap``. On by default (C = 2) when rollouts come from
-  inference servers (``tis_cap`` None, resolved by the pipeline), off in-process.
+  inference servers (``tis_cap`` None, resolved by the recipe), off in-process.
 * KL uses the k3 estimator (unbiased for KL(pi_theta || pi_ref), always >= 0); off by default
   (beta = 0). The reference is the LoRA-disabled actor when the actor is a peft model,
   otherwise a frozen copy of the actor taken when the stage starts.
@@ -150,7 +150,7 @@ class RPRConfig:
     """Sampling temperature; training log-probs use logits / temperature to match it."""
     tis_cap: float | None = None
     """C: truncated importance sampling on the sampler's log-probs, each action token weighted
-    by min(exp(logp_old - logp_sampler), C) (module docstring). 0: off. None: the pipeline
+    by min(exp(logp_old - logp_sampler), C) (module docstring). 0: off. None: the recipe
     picks 2.0 when rollouts come from servers (``serving.servers``) and 0 in-process, where the
     same weights sample and score; ``run_rpr`` called directly treats None as 0."""
     forward_chunk: int = 8

@@ -42,9 +42,13 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
+
+from minirsi.distributed import World
+from minirsi.sampler import ON_SERVER_FAILURE, OpenAISampler, server_base
 
 logger = logging.getLogger(__name__)
 
@@ -278,3 +282,66 @@ def server_prompt_logprobs(server: str, model: str, ids: Sequence[int], timeout:
     if not entries or len(entries) != len(ids):
         raise WeightSyncError(f"{server}: the answer has no prompt_logprobs for all {len(ids)} prompt tokens")
     return [float(entries[t][str(int(ids[t]))]["logprob"]) for t in range(1, len(ids))]
+
+
+# --------------------------------------------------------------------------- the recipe's serving
+
+
+@dataclass
+class ServingConfig:
+    """Where RPR samples its rollouts: in this process (default) or on inference servers."""
+
+    servers: list[str] = field(default_factory=list)
+    """Base URLs of OpenAI-compatible servers (``scale/serve_vllm.sh``, or ``minirsi serve``
+    for tests), all started on a checkpoint of the actor's architecture; empty: in-process
+    ``HFSampler``. The RPR stages sample there, each episode pinned to one server, and push
+    the actor to every server before their first rollout and after every update
+    (``minirsi.weight_sync``, full weights); RSR, the warm-up and evaluation sample in-process."""
+    model_name: str = "policy"
+    """The name the servers serve (``--served-model-name``)."""
+    sync_dir: str = ""
+    """Where weights are written for the servers to read (shared storage across nodes);
+    "" is RUN_DIR/weights."""
+    on_server_failure: str = "fail"
+    """A server that stops answering mid-step: "fail" stops the run naming it; "retry" moves
+    its episodes to the servers still up and leaves it out from then on."""
+    timeout: float = 600.0
+    """Seconds for one request (a generation batch, or a reload)."""
+    max_retries: int = 3
+    """Retries of a request that met a connection error, a timeout or a 5xx."""
+    verify_tol: float = 0.0
+    """> 0: after each sync, every server's log-probs of a probe sequence must match the
+    trainer's within this (``WeightSync``); 0: no check."""
+
+    def __post_init__(self) -> None:
+        for url in self.servers:
+            server_base(url)  # raises on a URL without http(s)://
+        if self.on_server_failure not in ON_SERVER_FAILURE:
+            raise ValueError(f"serving.on_server_failure={self.on_server_failure!r}: use one of {ON_SERVER_FAILURE}")
+        if not self.timeout > 0 or self.max_retries < 0 or self.verify_tol < 0:
+            raise ValueError("serving.timeout must be > 0, serving.max_retries and serving.verify_tol >= 0")
+
+
+def serving_sync(serving: ServingConfig, default_dir: Path) -> WeightSync:
+    """An ``OpenAISampler`` over ``serving.servers`` and the ``WeightSync`` that feeds them
+    (weights under ``serving.sync_dir``, or ``default_dir`` when it is "")."""
+    s = serving
+    sampler = OpenAISampler(s.servers, s.model_name, timeout=s.timeout, max_retries=s.max_retries,
+                            on_server_failure=s.on_server_failure)
+    probe = list(range(1, 65)) if s.verify_tol > 0 else ()  # any ids score; the tiny vocab has these
+    return WeightSync(sampler, s.sync_dir or default_dir, timeout=s.timeout, retries=s.max_retries,
+                      verify_tol=s.verify_tol, probe_ids=probe)
+
+
+def sharded_push(world: World, sync: WeightSync | None) -> Callable[[Any], dict] | None:
+    """The weight push after each update: ``sync`` itself in one process; sharded, every rank
+    gathers the actor's weights and rank 0 pushes them (``sync`` exists on rank 0 only), its
+    metrics going to every rank."""
+    if world.size == 1:
+        return sync
+
+    def push(actor: Any) -> dict:
+        plain = world.unsharded(actor)
+        return world.on_main(lambda: sync(plain))
+
+    return push

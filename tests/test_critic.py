@@ -172,7 +172,7 @@ def learnable_episodes(n: int, seed: int) -> tuple[list[Episode], list[float]]:
 
 def test_warmup_trains_every_critic_parameter_and_no_actor_parameter():
     """METHOD.md section 5: the warm-up trains the whole critic (backbone and head) on rollouts
-    of a frozen actor. The pipeline freezes the actor with requires_grad_(False); a critic built
+    of a frozen actor. The recipe freezes the actor with requires_grad_(False); a critic built
     from it must not inherit that (the first version trained 65 of 93,377 parameters)."""
     actor = tiny_qwen()
     actor.eval().requires_grad_(False)

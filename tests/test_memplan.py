@@ -83,7 +83,7 @@ def test_shape_from_a_transformers_config(tmp_path):
 
 @pytest.mark.parametrize("config", sorted((ROOT / "scale/configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_scale_configs_load_and_fit(config):
-    from minirsi.pipeline import RunConfig
+    from minirsi.recipe import RunConfig
 
     cfg = load_config(RunConfig, config)
     assert cfg.base.model in KNOWN_SHAPES and cfg.device == "cuda"
@@ -127,21 +127,21 @@ def test_plan_cli_refuses_a_config_that_does_not_fit():
 
 
 def test_run_refuses_a_config_the_planner_says_will_not_fit(tmp_path, capsys):
-    from minirsi import pipeline
+    from minirsi import recipe
     from tiny import tiny_qwen
 
     model_dir = tmp_path / "model"
     tiny_qwen().config.save_pretrained(model_dir)  # the shape is all the planner reads
     out = tmp_path / "run"
     # 4096 tokens x 300 vocabulary x 14 bytes of logits alone are 16 MiB > 10 MiB
-    rc = pipeline.cli(["--preset", "smoke", "--out", str(out), f"base.model={model_dir}", "scale.gpus=1",
+    rc = recipe.cli(["--preset", "smoke", "--out", str(out), f"base.model={model_dir}", "scale.gpus=1",
                        "scale.gpu_mem_gib=0.01", "scale.reserve_gib=0", "scale.seq_len=4096"])
     err = capsys.readouterr().err
     assert rc == 2 and "does not fit" in err and "Fix:" in err
     assert not out.exists()  # refused before anything was written
-    ok = pipeline.check_plan(pipeline.load_config(pipeline.RunConfig, pipeline.resolve_preset("smoke"),
-                                                  [f"base.model={model_dir}", "scale.gpus=1", "scale.gpu_mem_gib=1",
-                                                   "scale.reserve_gib=0", "scale.seq_len=64"]))
+    ok = recipe.check_plan(load_config(recipe.RunConfig, recipe.resolve_preset("smoke"),
+                                       [f"base.model={model_dir}", "scale.gpus=1", "scale.gpu_mem_gib=1",
+                                        "scale.reserve_gib=0", "scale.seq_len=64"]))
     assert ok.fits
 
 

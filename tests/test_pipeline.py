@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from minirsi import pipeline
+from minirsi import recipe, rundir, stages
 from minirsi.config import ConfigError, load_config
-from minirsi.pipeline import PipelineError, RunConfig, RunDir, plan
+from minirsi.recipe import RunConfig, plan
+from minirsi.rundir import RunDir, RunError
 
 REPO = Path(__file__).resolve().parents[1]
 SUITES = ["core", "hard", "long", "unseen"]
@@ -88,7 +89,7 @@ def small_cfg(*overrides: str) -> RunConfig:
 
 
 def run_fake(cfg, run_dir, runner, resume=False):
-    return pipeline.run(cfg, run_dir, runner=runner, resume=resume, tensorboard=False)
+    return recipe.run(cfg, run_dir, runner=runner, resume=resume, tensorboard=False)
 
 
 # -------------------------------------------------------------------------------- config
@@ -117,23 +118,23 @@ def test_bad_value_is_an_error_naming_the_key(override, needle):
 
 @pytest.mark.parametrize("name", ["toy-cpu", "smoke", "gpu-small"])
 def test_presets_load(name):
-    cfg = load_config(RunConfig, pipeline.resolve_preset(name))
+    cfg = load_config(RunConfig, recipe.resolve_preset(name))
     assert cfg.eval.k == 3
     assert cfg.rpr1.lr_actor > 0 and cfg.rpr2.lr_actor > 0
 
 
 def test_gpu_preset_names_a_real_model_and_cuda():
-    cfg = load_config(RunConfig, pipeline.resolve_preset("gpu-small"))
+    cfg = load_config(RunConfig, recipe.resolve_preset("gpu-small"))
     assert "/" in cfg.base.model and cfg.device.startswith("cuda")
 
 
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ConfigError, match="toy-cpu"):
-        pipeline.resolve_preset("no-such-preset")
+        recipe.resolve_preset("no-such-preset")
 
 
 def test_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
-    rc = pipeline.cli(["--out", str(tmp_path / "r"), "rpr1.bogus=1"])
+    rc = recipe.cli(["--out", str(tmp_path / "r"), "rpr1.bogus=1"])
     assert rc == 2
     assert "bogus" in capsys.readouterr().err
 
@@ -228,12 +229,12 @@ def test_metrics_are_strict_json(tmp_path):
     run = RunDir(tmp_path)
     spec = plan(small_cfg())[0]
     run.stage(spec).mkdir(parents=True)
-    pipeline.MetricsLog(run, spec)(0, {"loss": float("nan"), "ev": torch.tensor(0.5), "n": 3})
+    rundir.MetricsLog(run, spec)(0, {"loss": float("nan"), "ev": torch.tensor(0.5), "n": 3})
 
     def reject(name):
         raise ValueError(f"non-standard JSON constant {name}")
 
-    pipeline.MetricsLog(run, spec)(7, {"step": 0, "loss": 1.0})  # the pipeline's step wins
+    rundir.MetricsLog(run, spec)(7, {"step": 0, "loss": 1.0})  # the driver's step wins
     first, second = (json.loads(x, parse_constant=reject) for x in run.metrics.read_text().splitlines())
     assert first["loss"] is None and first["ev"] == 0.5 and first["n"] == 3
     assert second["step"] == 7 and second["stage"] == "base"
@@ -241,7 +242,7 @@ def test_metrics_are_strict_json(tmp_path):
 
 def test_tensorboard_events_are_written(tmp_path):
     cfg = small_cfg("baselines.direct_ppo=false")
-    pipeline.run(cfg, tmp_path / "run", runner=FakeRunner(), tensorboard=True)
+    recipe.run(cfg, tmp_path / "run", runner=FakeRunner(), tensorboard=True)
     assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
 
 
@@ -255,8 +256,6 @@ def test_continuation_starts_from_its_source_optimizer_and_rng(tmp_path):
 
 
 def test_base_cache_pretrains_once(tmp_path, monkeypatch):
-    import minirsi.pretrain
-
     calls = []
 
     def fake_pretrain(cfg, out_dir, **kw):
@@ -265,17 +264,17 @@ def test_base_cache_pretrains_once(tmp_path, monkeypatch):
         (Path(out_dir) / "config.json").write_text("{}")
         return {"steps": cfg.max_steps}
 
-    monkeypatch.setattr(minirsi.pretrain, "pretrain", fake_pretrain)
+    monkeypatch.setattr(stages, "pretrain", fake_pretrain)  # the name the Base stage calls
     cfg = small_cfg(f"base.cache_dir={tmp_path / 'cache'}", "base.pretrain.max_steps=7")
-    runner, spec = pipeline.RecipeRunner(), plan(cfg)[0]
+    runner, spec = stages.RecipeRunner(), plan(cfg)[0]
     for i in range(2):
         out = tmp_path / f"run{i}"
         out.mkdir()
-        runner.train(cfg, RunDir(out), spec, pipeline.StageInputs(None, None, None, None), out, lambda *a: None)
+        runner.train(cfg, RunDir(out), spec, rundir.StageInputs(None, None, None, None), out, lambda *a: None)
         assert (out / "actor" / "config.json").is_file()
     assert calls == [7]  # the second run reused the cached Base
     other = small_cfg(f"base.cache_dir={tmp_path / 'cache'}", "base.pretrain.max_steps=8")
-    assert pipeline.base_cache_path(other) != pipeline.base_cache_path(cfg)
+    assert stages.base_cache_path(other) != stages.base_cache_path(cfg)
 
 
 # -------------------------------------------------------------------------------- resume
@@ -348,7 +347,7 @@ def test_resume_of_a_non_run_dir_is_a_clear_error(tmp_path):
 def test_full_disk_or_dead_sandbox_gives_a_resume_message_and_resumes(tmp_path, error, needle):
     run_dir = tmp_path / "run"
     cfg = small_cfg("baselines.direct_ppo=false")
-    with pytest.raises(PipelineError) as e:
+    with pytest.raises(RunError) as e:
         run_fake(cfg, run_dir, FakeRunner(error=error, error_in="rpr1"))
     assert needle in str(e.value) and f"--resume {run_dir}" in str(e.value) and "03-rpr1" in str(e.value)
     second = FakeRunner()
@@ -361,7 +360,7 @@ FAKE_SCRIPT = """
 import sys, time
 sys.path[:0] = [{repo!r}, {tests!r}]
 from test_pipeline import FakeRunner, small_cfg
-from minirsi import pipeline
+from minirsi import recipe
 
 class Blocking(FakeRunner):
     def train(self, cfg, run, spec, inputs, out, log):
@@ -373,7 +372,7 @@ class Blocking(FakeRunner):
             time.sleep(60)
         return super().train(cfg, run, spec, inputs, out, log)
 
-pipeline.run(small_cfg(), {run_dir!r}, runner=Blocking(), tensorboard=False)
+recipe.run(small_cfg(), {run_dir!r}, runner=Blocking(), tensorboard=False)
 """
 
 

@@ -417,11 +417,11 @@ def test_two_serve_processes_end_to_end(procs, model, tok, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_pipeline_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_path):
+def test_recipe_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_path):
     """`minirsi run` scaled down (tiny suites, one RPR step each) with RPR's rollouts on two
     `minirsi serve` processes: every RPR step logs a sync, and the servers end on the final
     actor's weights."""
-    from minirsi import pipeline
+    from minirsi import recipe
     from minirsi.config import load_config
     from minirsi.models import load_actor
 
@@ -439,8 +439,8 @@ def test_pipeline_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_pat
         "eval.k=1", "eval.suites=[core]", "eval.stages=[base]", "eval.rollout.max_turns=1",
         "eval.rollout.max_new_tokens=16",
     ]
-    cfg_ = load_config(pipeline.RunConfig, None, overrides)
-    pipeline.run(cfg_, run_dir)
+    cfg_ = load_config(recipe.RunConfig, None, overrides)
+    recipe.run(cfg_, run_dir)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for stage, joint in (("rpr1", 2), ("rpr2", 1)):
         mine = [r for r in recs if r["stage"] == stage]
@@ -457,7 +457,7 @@ def test_pipeline_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_pat
 def test_a_run_started_before_the_serving_fields_still_resumes(tmp_path):
     import yaml
 
-    from minirsi import pipeline
+    from minirsi.config import ConfigError
     from test_pipeline import FakeRunner, SimulatedKill, run_fake, small_cfg
 
     run_dir = tmp_path / "run"
@@ -468,5 +468,5 @@ def test_a_run_started_before_the_serving_fields_still_resumes(tmp_path):
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     results = run_fake(small_cfg(), run_dir, FakeRunner(), resume=True)
     assert "rpr2" in results
-    with pytest.raises(pipeline.ConfigError, match="serving.on_server_failure"):  # a real difference still is one
+    with pytest.raises(ConfigError, match="serving.on_server_failure"):  # a real difference still is one
         run_fake(small_cfg("serving.on_server_failure=retry"), run_dir, FakeRunner(), resume=True)
