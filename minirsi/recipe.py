@@ -70,8 +70,86 @@ EVALUATED = ("base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr2_critic_
 
 
 # ----------------------------------------------------------------------------------------------
+# The recipe
+# ----------------------------------------------------------------------------------------------
+
+
+def plan(cfg: RunConfig) -> list[StageSpec]:
+    """The ordered stages of a run: the paper's five retained stages, then the baselines. Each
+    name is a handle on the stage's checkpoint (``rundir``: its actor/ and critic/)."""
+    s = _Stages()
+    base = s.base()
+    rsr1 = s.rsr("rsr1", actor=base)                  # actor = rsr(actor)
+    warmup = s.warmup(actor=rsr1)                     # critic = warmup(actor)
+    rpr1 = s.rpr("rpr1", actor=rsr1, critic=warmup)   # rpr(actor, critic)
+    rsr2 = s.rsr("rsr2", actor=rpr1, critic=rpr1)     # rsr(actor): the critic passes through untouched
+    rpr2 = s.rpr("rpr2", actor=rsr2, critic=rsr2)     # rpr(actor, critic): RPR-1's critic, inherited
+    b = cfg.baselines
+    if b.direct_ppo:  # RPR on Base with a fresh critic, RPR-1's config and steps
+        s.baseline("direct_ppo", "Direct PPO", actor=base, config_key="rpr1")
+    if b.critic_reset:  # RPR-2 with a fresh critic instead of the inherited one
+        s.baseline("rpr2_critic_reset", "RPR-2, critic reset", actor=rsr2, config_key="rpr2")
+    if b.token_gae:  # RPR-1 with per-token GAE instead of TB-GAE
+        s.baseline("rpr1_token_gae", "RPR-1, per-token GAE", actor=rsr1, critic=warmup, config_key="rpr1",
+                   overrides=(("advantage", "token_gae"),))
+    for src, extra in ((rpr1, b.continue_rpr1), (rpr2, b.continue_rpr2)):
+        if extra > 0:  # the same phase run longer: its optimizer and RNG state go on
+            steps = getattr(cfg, src).steps + extra
+            s.baseline(f"{src}_cont", f"{src.upper()[:3]}-{src[-1]} to step {steps}", actor=src, critic=src,
+                       config_key=src, extra_steps=extra)
+    if cfg.eval.stages:
+        return [dataclasses.replace(x, evaluate=x.evaluate and x.name in cfg.eval.stages) for x in s.stages]
+    return s.stages
+
+
+class _Stages:
+    """The stage list as ``plan`` writes it: each call appends a stage and returns its name,
+    the handle later stages start from. Only the five retained stages have their own config
+    (``RunConfig.<name>``); a baseline names the one it borrows."""
+
+    def __init__(self) -> None:
+        self.stages: list[StageSpec] = []
+
+    def _add(self, name: str, kind: str, label: str, **spec: Any) -> str:
+        spec.setdefault("config_key", name)
+        self.stages.append(StageSpec(len(self.stages), name, kind, label, **spec))
+        return name
+
+    def base(self) -> str:
+        return self._add("base", "base", "Base")
+
+    def rsr(self, name: str, actor: str, critic: str | None = None) -> str:
+        return self._add(name, "rsr", f"RSR-{name[-1]}", actor_from=actor, critic_from=critic)
+
+    def warmup(self, actor: str) -> str:
+        return self._add("warmup", "warmup", "Warm-up critic", actor_from=actor, retained=False, evaluate=False)
+
+    def rpr(self, name: str, actor: str, critic: str | None = None) -> str:
+        return self._add(name, "rpr", f"RPR-{name[-1]}", actor_from=actor, critic_from=critic)
+
+    def baseline(self, name: str, label: str, actor: str, critic: str | None = None, **spec: Any) -> str:
+        """An RPR branch beside the retained stages (critic None: a fresh one)."""
+        return self._add(name, "rpr", label, actor_from=actor, critic_from=critic, retained=False, **spec)
+
+
+def run(cfg: RunConfig, run_dir: str | Path, runner: Runner | None = None, resume: bool = False,
+        tensorboard: bool = True) -> dict:
+    """Run (or, with ``resume``, continue) the recipe in ``run_dir``; returns results.json's dict.
+
+    Raises:
+        ConfigError: a run the planner says will not fit (``check_plan``), ``resume`` with a
+            config that differs from the run's, or a new run into a directory that holds one.
+        RunError: a stage failed; finished stages are kept (``rundir.run_stages``).
+    """
+    check_plan(cfg, distributed.current().size)
+    return run_stages(cfg, run_dir, plan(cfg), runner if runner is not None else RecipeRunner(), resume,
+                      tensorboard)
+
+
+# ----------------------------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class BaselinesConfig:
@@ -177,83 +255,6 @@ def resolve_preset(name_or_path: str) -> Path:
     return p
 
 
-# ----------------------------------------------------------------------------------------------
-# The recipe
-# ----------------------------------------------------------------------------------------------
-
-
-def plan(cfg: RunConfig) -> list[StageSpec]:
-    """The ordered stages of a run: the paper's five retained stages, then the baselines. Each
-    name is a handle on the stage's checkpoint (``rundir``: its actor/ and critic/)."""
-    s = _Stages()
-    base = s.base()
-    rsr1 = s.rsr("rsr1", actor=base)                  # actor = rsr(actor)
-    warmup = s.warmup(actor=rsr1)                     # critic = warmup(actor)
-    rpr1 = s.rpr("rpr1", actor=rsr1, critic=warmup)   # rpr(actor, critic)
-    rsr2 = s.rsr("rsr2", actor=rpr1, critic=rpr1)     # rsr(actor): the critic passes through untouched
-    rpr2 = s.rpr("rpr2", actor=rsr2, critic=rsr2)     # rpr(actor, critic): RPR-1's critic, inherited
-    b = cfg.baselines
-    if b.direct_ppo:  # RPR on Base with a fresh critic, RPR-1's config and steps
-        s.baseline("direct_ppo", "Direct PPO", actor=base, config_key="rpr1")
-    if b.critic_reset:  # RPR-2 with a fresh critic instead of the inherited one
-        s.baseline("rpr2_critic_reset", "RPR-2, critic reset", actor=rsr2, config_key="rpr2")
-    if b.token_gae:  # RPR-1 with per-token GAE instead of TB-GAE
-        s.baseline("rpr1_token_gae", "RPR-1, per-token GAE", actor=rsr1, critic=warmup, config_key="rpr1",
-                   overrides=(("advantage", "token_gae"),))
-    for src, extra in ((rpr1, b.continue_rpr1), (rpr2, b.continue_rpr2)):
-        if extra > 0:  # the same phase run longer: its optimizer and RNG state go on
-            steps = getattr(cfg, src).steps + extra
-            s.baseline(f"{src}_cont", f"{src.upper()[:3]}-{src[-1]} to step {steps}", actor=src, critic=src,
-                       config_key=src, extra_steps=extra)
-    if cfg.eval.stages:
-        return [dataclasses.replace(x, evaluate=x.evaluate and x.name in cfg.eval.stages) for x in s.stages]
-    return s.stages
-
-
-class _Stages:
-    """The stage list as ``plan`` writes it: each call appends a stage and returns its name,
-    the handle later stages start from. Only the five retained stages have their own config
-    (``RunConfig.<name>``); a baseline names the one it borrows."""
-
-    def __init__(self) -> None:
-        self.stages: list[StageSpec] = []
-
-    def _add(self, name: str, kind: str, label: str, **spec: Any) -> str:
-        spec.setdefault("config_key", name)
-        self.stages.append(StageSpec(len(self.stages), name, kind, label, **spec))
-        return name
-
-    def base(self) -> str:
-        return self._add("base", "base", "Base")
-
-    def rsr(self, name: str, actor: str, critic: str | None = None) -> str:
-        return self._add(name, "rsr", f"RSR-{name[-1]}", actor_from=actor, critic_from=critic)
-
-    def warmup(self, actor: str) -> str:
-        return self._add("warmup", "warmup", "Warm-up critic", actor_from=actor, retained=False, evaluate=False)
-
-    def rpr(self, name: str, actor: str, critic: str | None = None) -> str:
-        return self._add(name, "rpr", f"RPR-{name[-1]}", actor_from=actor, critic_from=critic)
-
-    def baseline(self, name: str, label: str, actor: str, critic: str | None = None, **spec: Any) -> str:
-        """An RPR branch beside the retained stages (critic None: a fresh one)."""
-        return self._add(name, "rpr", label, actor_from=actor, critic_from=critic, retained=False, **spec)
-
-
-def run(cfg: RunConfig, run_dir: str | Path, runner: Runner | None = None, resume: bool = False,
-        tensorboard: bool = True) -> dict:
-    """Run (or, with ``resume``, continue) the recipe in ``run_dir``; returns results.json's dict.
-
-    Raises:
-        ConfigError: a run the planner says will not fit (``check_plan``), ``resume`` with a
-            config that differs from the run's, or a new run into a directory that holds one.
-        RunError: a stage failed; finished stages are kept (``rundir.run_stages``).
-    """
-    check_plan(cfg, distributed.current().size)
-    return run_stages(cfg, run_dir, plan(cfg), runner if runner is not None else RecipeRunner(), resume,
-                      tensorboard)
-
-
 def check_plan(cfg: RunConfig, world_size: int = 1) -> Any:
     """Refuse a run the planner (minirsi.memplan) says will not fit: when ``scale.gpu_mem_gib``
     is set, the per-GPU memory of actor + critic on ``world_size`` GPUs (or ``scale.gpus``)
@@ -275,6 +276,7 @@ def check_plan(cfg: RunConfig, world_size: int = 1) -> Any:
     if not result.fits:
         raise ConfigError(memplan.fit_error(result))
     return result
+
 
 # ----------------------------------------------------------------------------------------------
 # Command line

@@ -65,11 +65,16 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from minirsi import actions
 from minirsi.episode import Episode, JsonlWriter
-from minirsi.sampler import FINISH_LENGTH, Sample, Sampler
-from minirsi.sandbox import BACKENDS
+from minirsi.config import load_config
+from minirsi.models import load_actor
+from minirsi.sampler import FINISH_LENGTH, HFSampler, OpenAISampler, Sample, Sampler
+from minirsi.sandbox import BACKENDS, open_sandbox
+from minirsi.tasks import load_tasks
+from minirsi.verifier import verify
 
 logger = logging.getLogger(__name__)
 
@@ -178,14 +183,10 @@ class _Run:
 
 
 def _default_open(task: Any, backend: str) -> Any:
-    from minirsi.sandbox import open_sandbox
-
     return open_sandbox(task, backend=backend)
 
 
 def _default_verify(sandbox: Any, task: Any) -> Any:
-    from minirsi.verifier import verify
-
     return verify(sandbox, task)
 
 
@@ -605,9 +606,6 @@ def cli(argv: list[str] | None = None, command: str = "rollout") -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    from minirsi.config import load_config
-    from minirsi.tasks import load_tasks
-
     overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
     cfg = load_config(RolloutConfig, args.config, overrides)
     tasks, errors = load_tasks(args.tasks)
@@ -622,16 +620,9 @@ def cli(argv: list[str] | None = None, command: str = "rollout") -> int:
     chosen = list(itertools.islice(itertools.cycle(tasks), n))
 
     if args.server:
-        from transformers import AutoTokenizer
-
-        from minirsi.sampler import OpenAISampler
-
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         sampler: Sampler = OpenAISampler(args.server, args.served_model_name or args.model)
     else:
-        from minirsi.models import load_actor
-        from minirsi.sampler import HFSampler
-
         model, tokenizer = load_actor(args.model, device=args.device)
         sampler = HFSampler(model, tokenizer)
     stats = RolloutStats()

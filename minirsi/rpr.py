@@ -63,6 +63,7 @@ Call it::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import random
 import time
@@ -73,10 +74,14 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from minirsi import rollout
 from minirsi.critic import ValueModel, explained_variance, value_loss
 from minirsi.distributed import SINGLE, World
 from minirsi.episode import Episode, collate, masked_mean, minibatches, trimmed
+from minirsi.fdr import family_dense_reward
 from minirsi.models import logprobs_from_logits, pad_id_of
+from minirsi.sampler import HFSampler
+from minirsi.spr import success_prioritized_reward
 from minirsi.tb_gae import tb_gae
 
 logger = logging.getLogger(__name__)
@@ -513,9 +518,6 @@ def logprob_gap(batch: dict[str, torch.Tensor]) -> float:
 def score(episodes: Sequence[Episode], kind: str, scales: dict[str, float],
           scales_prime: dict[str, float] | None = None) -> list[float]:
     """FDR or SPR of each episode (minirsi.fdr / minirsi.spr)."""
-    from minirsi.fdr import family_dense_reward
-    from minirsi.spr import success_prioritized_reward
-
     if kind == "fdr":
         return [float(family_dense_reward(e.passed, e.family, scales)) for e in episodes]
     if kind == "spr":
@@ -547,11 +549,6 @@ def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[
     ``rollout_cfg`` is the rollout helper's config (turn limit, max tokens, backend...); its
     ``seed`` is replaced per call. ``sampler_factory(actor, tokenizer)`` builds the sampler.
     """
-    import dataclasses
-
-    from minirsi import rollout
-    from minirsi.sampler import HFSampler
-
     factory = sampler_factory or (lambda model, tok: HFSampler(model, tok))
 
     def rollout_fn(actor: nn.Module, tasks: Sequence[Any], seed: int) -> list[Episode]:

@@ -55,10 +55,11 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import nn
 
-from minirsi import actions
+from minirsi import actions, sandbox, verifier
 from minirsi.distributed import SINGLE, World
 from minirsi.episode import Episode, masked_mean
 from minirsi.models import pad_id_of
+from minirsi.sampler import HFSampler
 from minirsi.sandbox import BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -201,13 +202,10 @@ def make_replay_fn(backend: str = "bwrap", command_timeout: float = 30.0,
                    open_sandbox: Callable[..., Any] | None = None,
                    verify: Callable[[Any, Any], Any] | None = None) -> ReplayFn:
     """The default replay: ``sandbox.open_sandbox`` + ``verifier.verify`` (the env helper's)."""
+    open_sandbox = open_sandbox or sandbox.open_sandbox
+    verify = verify or verifier.verify
 
     def replay(task: Any, commands: Sequence[str]) -> Replay:
-        nonlocal open_sandbox, verify
-        if open_sandbox is None:
-            from minirsi.sandbox import open_sandbox
-        if verify is None:
-            from minirsi.verifier import verify
         outputs, codes = [], []
         with open_sandbox(task, backend=backend) as sb:
             for cmd in commands:
@@ -262,12 +260,10 @@ class LLMPlanner:
 
     def __init__(self, model: nn.Module, tokenizer: Any, max_new_tokens: int = 256,
                  temperature: float = 0.0, seed: int = 0, sampler: Any = None, obs_chars: int = 200):
-        from minirsi.sampler import HFSampler
-
         self.tokenizer = tokenizer
         self.sampler = sampler if sampler is not None else HFSampler(model, tokenizer)
         self.max_new_tokens, self.temperature, self.seed, self.obs_chars = max_new_tokens, temperature, seed, obs_chars
-        self.stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")  # the end of every ChatML turn
+        self.stop_id = actions.special_id(tokenizer, actions.IM_END)  # the end of every ChatML turn
 
     def prompt_text(self, task: Any, cleaned: Sequence[Step]) -> str:
         # the tail of each output: where results and errors show

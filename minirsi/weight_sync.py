@@ -32,10 +32,15 @@ Call it::
 
     sync = WeightSync(sampler, "runs/x/weights", mode="full")
     metrics = sync(actor)          # after each actor update; returns sync_s, sync_bytes, ...
+
+The recipe's side (``minirsi run serving.servers=[...]``): ``ServingConfig`` (the ``serving.*``
+keys), ``serving_sync`` (its sampler and ``WeightSync``) and ``sharded_push`` (the push from a
+sharded actor).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -46,8 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from minirsi.distributed import World
+from minirsi.models import token_logprobs
 from minirsi.sampler import ON_SERVER_FAILURE, OpenAISampler, server_base
 
 logger = logging.getLogger(__name__)
@@ -71,8 +79,6 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     cpu_offload=True))`` (a collective), and only rank 0 writes what it returns.
     """
     if hasattr(model, "merge_and_unload"):
-        import copy
-
         model = copy.deepcopy(model).merge_and_unload()  # deepcopy: keep the live adapter
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -83,8 +89,6 @@ def write_full_weights(state: dict[str, torch.Tensor], out_dir: str | Path) -> i
     ``lm_head.weight`` and ``model.embed_tokens.weight``) are written once, under the first
     name, and the alias is recorded in the file's metadata (``TIED_KEY``), as safetensors
     refuses shared storage."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -107,8 +111,6 @@ def write_full_weights(state: dict[str, torch.Tensor], out_dir: str | Path) -> i
 
 def read_full_weights(weights_dir: str | Path) -> dict[str, torch.Tensor]:
     """Read what ``write_full_weights`` wrote, tied aliases restored (``minirsi serve`` uses it)."""
-    from safetensors import safe_open
-
     path = Path(weights_dir) / WEIGHTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; weights_dir must be a directory written by "
@@ -243,8 +245,6 @@ class WeightSync:
         raise WeightSyncError(f"POST {server}{route} failed: {last}")
 
     def _verify(self, actor: torch.nn.Module, servers: list[str], model: str) -> float:
-        from minirsi.models import token_logprobs
-
         ids = torch.tensor([self.probe_ids], device=next(actor.parameters()).device)
         was_training = actor.training
         actor.eval()

@@ -109,6 +109,8 @@ def test_unknown_key_is_an_error_naming_it():
     ("eval.suites=[core,nope]", "nope"),
     ("rpr1.lr_actor=-1", "lr_actor"),
     ("eval.stages=[base,rpr9]", "rpr9"),
+    ("fdr_quantile=1.5", "fdr_quantile"),  # the range is fdr.check_quantile's
+    ("fdr_fallback=0", "fdr_fallback"),
 ])
 def test_bad_value_is_an_error_naming_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
