@@ -52,6 +52,7 @@ assert same
 # 3. Attenuation per boundary: credit at turn k is (g*l)**(2 - k) of the final reward.
 for k, pos in ((0, 2), (1, 7), (2, 11)):
     print(f"3. turn {k}: A = {adv[0, pos].item():.4f} = (g*l)^{2 - k}")
+    assert abs(adv[0, pos].item() - (gamma_turn * lam_turn) ** (2 - k)) < 1e-12
 
 # 4. One action token per turn, no observations: TB-GAE is GAE(gamma, lambda).
 T = 6
