@@ -1,6 +1,6 @@
 """The actor: a causal LM loaded by name or path, an offline tokenizer, and per-token log-probs.
 
-METHOD.md section 3. The policy pi_theta is any Hugging Face causal LM; minirsi only ever
+docs/method.md section 3. The policy pi_theta is any Hugging Face causal LM; minirsi only ever
 touches it through ``from_pretrained`` / ``save_pretrained`` and a forward pass, so the tiny
 model trained on this CPU and a 27B checkpoint go through the same code:
 

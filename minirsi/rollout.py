@@ -1,6 +1,6 @@
 """The rollout engine: many multi-turn episodes at once, with exact token bookkeeping.
 
-METHOD.md section 3. An episode is the prompt followed by turns; turn k is an action a_k the
+docs/method.md section 3. An episode is the prompt followed by turns; turn k is an action a_k the
 policy sampled and the observation o_{k+1} the sandbox returned. The training sequence is
 built by appending ids, never by re-tokenising text:
 

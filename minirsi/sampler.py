@@ -1,6 +1,6 @@
 """Samplers: token ids in, sampled token ids and their log-probs out.
 
-METHOD.md section 3 asks for the exact ids the policy sampled and the sampler's log-probs, so a
+docs/method.md section 3 asks for the exact ids the policy sampled and the sampler's log-probs, so a
 sampler here never returns text that the caller would have to re-tokenise. Two backends share
 one protocol::
 

@@ -8,7 +8,7 @@ environment/, solution/solve.sh, tests/). The agent acts in a persistent shell i
 (bubblewrap: no network, read-only system, unprivileged user, the task's files at /app). When
 it stops, the verifier ends the jail, brings in tests/ (which the agent never saw), runs
 tests/test.sh, and reads the gate S from /logs/verifier/reward.txt and the checks P / C from
-pytest's junit XML (METHOD.md section 1).
+pytest's junit XML (docs/method.md section 1).
 """
 
 import tempfile

@@ -8,7 +8,7 @@ The policy is a causal LM in a chat format: the prompt (system + instruction), t
 <action the model sampled> <observation the shell returned>. An action holds shell commands in
 a ```bash block, or the completion signal. PPO and TB-GAE train on the *exact* ids that were
 sampled, with the sampler's log-probs, an action_mask (1 on sampled ids) and turn_ids
-(METHOD.md section 3). This script builds an untrained tiny model offline (a byte-level BPE
+(docs/method.md section 3). This script builds an untrained tiny model offline (a byte-level BPE
 trained in a second, a Qwen3 config), rolls it out on four toy tasks, and checks the
 bookkeeping that every trainer in minirsi relies on.
 """

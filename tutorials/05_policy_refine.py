@@ -3,7 +3,7 @@
 
 Run:  python tutorials/05_policy_refine.py        (about half a minute on a laptop CPU)
 
-RPR is PPO with three Terminal-RSI specifics (METHOD.md sections 5 and 6): the reward is FDR
+RPR is PPO with three Terminal-RSI specifics (docs/method.md sections 5 and 6): the reward is FDR
 or SPR of the verifier's result, placed on the last action token; advantages come from TB-GAE
 over the critic's per-token values; and the critic is a separate value model that is carried
 from stage to stage (saved, loaded, never reset). This script runs the pieces that
