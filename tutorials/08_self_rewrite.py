@@ -1,7 +1,7 @@
 """Tutorial 8: Recursive Self-Rewrite, from a verified run to supervised data on action tokens.
 (modules: minirsi/rsr.py, minirsi/actions.py, minirsi/rollout.py, minirsi/critic.py)
 
-Run:  python tutorials/08_self_rewrite.py      (about 20 seconds on a laptop CPU; needs the
+Run:  python tutorials/08_self_rewrite.py      (5-10 seconds on a 2-core CPU; needs the
                                                  bubblewrap sandbox of scripts/setup.sh)
 
 RSR (docs/method.md section 6) trains the actor alone on its own successes, made cleaner:

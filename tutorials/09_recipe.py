@@ -1,7 +1,7 @@
 """Tutorial 9: the five-stage recipe and its report, end to end on a toy budget.
 (modules: minirsi/pipeline.py, minirsi/report.py, minirsi/presets/)
 
-Run:  python tutorials/09_recipe.py      (about a minute on a laptop CPU; needs the bubblewrap
+Run:  python tutorials/09_recipe.py      (15-30 seconds on a 2-core CPU; needs the bubblewrap
                                            sandbox of scripts/setup.sh)
 
 docs/method.md section 7: Base -> RSR-1 -> RPR-1 -> RSR-2 -> RPR-2, each stage with its own
@@ -11,8 +11,8 @@ handed on: RPR-1 trains it, RSR-2 passes it through untouched, RPR-2 starts from
 
 ``minirsi run --preset smoke`` is the CI-sized run (a 1,000-step Base, then minutes of
 training). This lesson runs the same driver, ``pipeline.run``, on a config shrunk until it
-fits in a minute: a 20-step Base, 4 training tasks, one calibration and one joint PPO step per
-RPR stage. At that size nothing learns (Base solves nothing): the lesson is the mechanics, the
+fits in seconds: a 20-step Base, 4 training tasks, one calibration and one joint PPO step per
+RPR stage. At that size nothing is expected to learn: the lesson is the mechanics, the
 run directory, the critic's journey through it, results.json and report.md. The same config as
 a command:
 
@@ -101,6 +101,7 @@ lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlin
 per_stage = {name: sum(1 for x in lines if x["stage"] == name) for name in ("rsr1", "warmup", "rpr1", "rsr2", "rpr2")}
 print("   metrics.jsonl lines per stage:", per_stage)
 assert per_stage["rpr1"] == per_stage["rpr2"] == 2 and per_stage["rsr1"] == per_stage["rsr2"] == 1
+assert per_stage["warmup"] == warm["updates"] >= 1  # one line per warm-up update
 
 # 5. results.json: stage -> suite -> Mean@3 and its breakdowns; report.md renders it.
 print("\n5. results.json: Mean@3 on core; process reward and strict completion on long")
