@@ -54,6 +54,8 @@ act = batch["action_mask"].bool()
 print(f"batch {tuple(batch['input_ids'].shape)}: {int(act.sum())} action tokens; "
       f"advantages are 0 off-action: {bool((batch['advantages'][~act] == 0).all())}")
 assert (batch["advantages"][~act] == 0).all()
+assert batch["input_ids"].shape == (len(episodes), max(len(e.token_ids) for e in episodes))
+assert int(act.sum()) == sum(sum(e.action_mask) for e in episodes)  # collate keeps every sampled token
 
 # 4. One PPO update of actor and critic. The log-prob gap is a property of the batch (trainer vs
 # sampler on the same ids, before the update), so it is read from the batch, not the update.
