@@ -56,7 +56,7 @@ def make_batch(B: int, T: int, turns: int, seed: int = 0, device: str = "cpu"):
             last_action = t - 1
             turn_ids[b, t:t + obs_len[i]] = i + 1  # the observation opens the next turn
             t += int(obs_len[i])
-        # METHOD.md section 3: end on an action token; the trailing tokens act as padding.
+        # docs/method.md section 3: end on an action token; the trailing tokens act as padding.
         turn_ids[b, last_action + 1:] = k - 1
         rewards[b, last_action] = float(torch.rand(1, generator=gen)) * 2
     values = torch.randn(B, T, generator=gen)

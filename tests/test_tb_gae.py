@@ -1,4 +1,4 @@
-"""TB-GAE (minirsi/tb_gae.py) against its per-token loop and every property of METHOD.md s.4."""
+"""TB-GAE (minirsi/tb_gae.py) against its per-token loop and every property of docs/method.md s.4."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def batches(draw, max_B: int = 4, max_T: int = 40, arbitrary_obs_ids: bool | Non
     values = torch.randn(B, T, generator=gen, dtype=torch.float64) * draw(
         st.sampled_from([0.0, 1.0, 10.0]))
     rewards = torch.randn(B, T, generator=gen, dtype=torch.float64) * mask
-    if draw(st.booleans()):  # METHOD.md: one reward, on the last action token
+    if draw(st.booleans()):  # docs/method.md: one reward, on the last action token
         keep = torch.zeros_like(mask)
         for b in range(B):
             acts = mask[b].nonzero()
@@ -298,7 +298,7 @@ def test_row_without_actions_is_zero():
     assert A.tolist() == [[0, 0, 0], [0, -1, 0]] and R.tolist() == [[0, 0, 0], [0, 0, 0]]
 
 
-# --------------------------------------------------------------------------- METHOD.md properties
+# --------------------------------------------------------------------------- docs/method.md properties
 
 
 @SETTINGS

@@ -5,7 +5,7 @@ Run:  python tutorials/01_tb_gae.py
 A terminal episode is a long token sequence in which only some tokens were chosen by the
 policy (the actions); the rest are the prompt and the shell's output (observations). Standard
 GAE decays credit per *token*, so a verbose `ls -R` between two decisions weakens the link
-between them. TB-GAE (METHOD.md section 4) decays credit only when the *turn* changes and
+between them. TB-GAE (docs/method.md section 4) decays credit only when the *turn* changes and
 skips observation tokens altogether. This script builds one tiny episode by hand and shows:
 
   1. the advantages TB-GAE gives, next to the per-token loop that defines it;
@@ -52,6 +52,7 @@ assert same
 # 3. Attenuation per boundary: credit at turn k is (g*l)**(2 - k) of the final reward.
 for k, pos in ((0, 2), (1, 7), (2, 11)):
     print(f"3. turn {k}: A = {adv[0, pos].item():.4f} = (g*l)^{2 - k}")
+    assert abs(adv[0, pos].item() - (gamma_turn * lam_turn) ** (2 - k)) < 1e-12
 
 # 4. One action token per turn, no observations: TB-GAE is GAE(gamma, lambda).
 T = 6
