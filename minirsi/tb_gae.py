@@ -96,35 +96,6 @@ from minirsi.tb_gae_fast import tb_gae_fast
 __all__ = ["IMPLEMENTATIONS", "tb_gae", "tb_gae_chunked", "tb_gae_plain", "tb_gae_reference"]
 
 
-def _check_inputs(rewards, values, action_mask, turn_ids, gamma_turn, lam_turn) -> None:
-    for name, x in (("rewards", rewards), ("values", values), ("action_mask", action_mask),
-                    ("turn_ids", turn_ids)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ValueError(f"tb_gae: {name} must be a (B, T) tensor, got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
-        if x.shape != values.shape:
-            raise ValueError(f"tb_gae: {name} has shape {tuple(x.shape)}, values has "
-                             f"{tuple(values.shape)}; every input must be (B, T)")
-    if not values.is_floating_point():
-        raise ValueError(f"tb_gae: values must be float32 or float64, got {values.dtype}")
-    if turn_ids.is_floating_point() or turn_ids.dtype == torch.bool:
-        raise ValueError(f"tb_gae: turn_ids must be an integer tensor, got {turn_ids.dtype}; "
-                         "fix: pass turn_ids.long()")
-    for name, x in (("gamma_turn", gamma_turn), ("lam_turn", lam_turn)):
-        if not 0.0 <= float(x) <= 1.0:  # also rejects NaN
-            raise ValueError(f"tb_gae: {name}={x} must lie in [0, 1]")
-
-
-def _check_rewards_on_actions(rewards: torch.Tensor, is_action: torch.Tensor) -> None:
-    """Raise naming the first (row, position) of a nonzero reward off the action tokens."""
-    off = (rewards != 0) & ~is_action  # (B, T)
-    if off.any():
-        b, t = off.nonzero()[0].tolist()
-        raise ValueError(
-            f"tb_gae: rewards[{b}, {t}] = {float(rewards[b, t])} sits on a non-action position; "
-            "fix: put rewards on the last action token (minirsi.episode.collate does)")
-
-
 @torch.no_grad()
 def tb_gae_reference(
     rewards: torch.Tensor,  # (B, T)
@@ -195,6 +166,7 @@ def tb_gae_plain(
     # k: each action's turn counted 0, 1, ... along its row; K (a spare column) off-action.
     previous = torch.cat([latest.new_full((B, 1), low), latest[:, :-1]], dim=1)  # (B, T)
     acted_before = (torch.cumsum(is_action, dim=1) - is_action.long()) > 0  # (B, T)
+    # (acted_before: a first action whose id happens to equal the fill value ``low``.)
     first_of_turn = is_action & ((previous != turn_ids) | ~acted_before)  # (B, T)
     k = torch.cumsum(first_of_turn, dim=1) - 1  # (B, T)
     K = int(k.max()) + 1 if k.numel() else 0
@@ -305,3 +277,33 @@ def tb_gae_chunked(
         has_n = has_n | here
         end = start
     return advantages, returns
+
+
+# Input checks shared by the forms above (tb_gae_fast is reached through tb_gae, which checks).
+def _check_inputs(rewards, values, action_mask, turn_ids, gamma_turn, lam_turn) -> None:
+    for name, x in (("rewards", rewards), ("values", values), ("action_mask", action_mask),
+                    ("turn_ids", turn_ids)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"tb_gae: {name} must be a (B, T) tensor, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+        if x.shape != values.shape:
+            raise ValueError(f"tb_gae: {name} has shape {tuple(x.shape)}, values has "
+                             f"{tuple(values.shape)}; every input must be (B, T)")
+    if not values.is_floating_point():
+        raise ValueError(f"tb_gae: values must be float32 or float64, got {values.dtype}")
+    if turn_ids.is_floating_point() or turn_ids.dtype == torch.bool:
+        raise ValueError(f"tb_gae: turn_ids must be an integer tensor, got {turn_ids.dtype}; "
+                         "fix: pass turn_ids.long()")
+    for name, x in (("gamma_turn", gamma_turn), ("lam_turn", lam_turn)):
+        if not 0.0 <= float(x) <= 1.0:  # also rejects NaN
+            raise ValueError(f"tb_gae: {name}={x} must lie in [0, 1]")
+
+
+def _check_rewards_on_actions(rewards: torch.Tensor, is_action: torch.Tensor) -> None:
+    """Raise naming the first (row, position) of a nonzero reward off the action tokens."""
+    off = (rewards != 0) & ~is_action  # (B, T)
+    if off.any():
+        b, t = off.nonzero()[0].tolist()
+        raise ValueError(
+            f"tb_gae: rewards[{b}, {t}] = {float(rewards[b, t])} sits on a non-action position; "
+            "fix: put rewards on the last action token (minirsi.episode.collate does)")
