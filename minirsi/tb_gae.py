@@ -34,8 +34,8 @@ Three implementations of one definition
 1. ``tb_gae_reference``: the recurrence above, line by line, as a loop over the positions
    t = T-1, ..., 0, vectorised over the batch. Slow by design (T Python steps): the tests'
    ground truth.
-2. ``tb_gae_plain``: the same numbers without a loop over tokens. Inside a turn g = l = 1, so
-   A_t is the plain sum of the deltas of the turn's actions from t on, plus the discounted
+2. ``tb_gae_plain``: the same numbers without a loop over tokens. Inside a turn nothing is
+   discounted, so A_t is the plain sum of the deltas of the turn's actions from t on, plus the discounted
    trace from the next turn; in that sum the values cancel in pairs (+V_n of one delta, -V_n
    of the next), leaving::
 
@@ -44,7 +44,8 @@ Three implementations of one definition
            = g (1 - l) V_s + g l (Rtot_{k+1} + X_{k+1})    (A_s from (1) at t = s)      (2)
 
    with Rtot_k the sum of the rewards of turn k. (1) is a reverse cumulative sum over tokens;
-   (2) is a recurrence over turns only (~100 per sequence, not 262,144 tokens).
+   (2) is a recurrence over turns only (~100 per sequence, not 262,144 tokens), one step per
+   turn, vectorised over the batch.
 3. ``tb_gae_fast`` (``minirsi/tb_gae_fast.py``): (1) and (2) again, tuned for the CPU (chunked
    reductions instead of full scans, a log-depth scan over turns, one allocation for both
    outputs). ``tb_gae`` runs it by default, so training does; bench/tb_gae.py holds it to its
@@ -121,7 +122,8 @@ def tb_gae_reference(
     for t in reversed(range(V.shape[1])):
         same_turn = has_n & (turn_ids[:, t] == turn_n)  # (B,)
         boundary = has_n & ~same_turn  # n is in a later turn (ids do not decrease)
-        # 1 inside a turn, g (discount) or g l (trace decay) across a boundary, 0 if no n.
+        # The recurrence's three cases as the factors of V_n (discount) and A_n (decay):
+        # no n: 0 and 0;  turn(n) == turn(t): 1 and 1;  boundary: g and g l.
         discount = torch.where(same_turn, 1.0, gamma_turn * boundary.double())  # (B,)
         decay = torch.where(same_turn, 1.0, gamma_turn * lam_turn * boundary.double())  # (B,)
         delta = r[:, t] + discount * V_n - V[:, t]  # (B,)
