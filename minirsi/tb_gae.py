@@ -1,4 +1,4 @@
-"""TB-GAE: Turn-Boundary Skip-Observation GAE (METHOD.md section 4).
+"""TB-GAE: Turn-Boundary Skip-Observation GAE (docs/method.md section 4).
 
 What it computes
 ----------------
@@ -18,7 +18,7 @@ observation tokens or tokens per turn lie in between.
 =============  ===========  ==================================================================
 Symbol         Shape        Description
 =============  ===========  ==================================================================
-rewards        (B, T)       r_t; nonzero only on action tokens (METHOD.md: on the last one)
+rewards        (B, T)       r_t; nonzero only on action tokens (docs/method.md: on the last one)
 values         (B, T)       V_t, the critic's per-token baseline (float32 or float64)
 action_mask    (B, T)       1 on action (generated) tokens, 0 elsewhere; bool, int or float
                             (any nonzero entry counts as an action token)
@@ -51,8 +51,8 @@ Three implementations of one definition
    outputs). ``tb_gae`` runs it by default, so training does; bench/tb_gae.py holds it to its
    targets (docs/tb_gae-performance.md), tests/test_tb_gae.py proves it equal to the other two.
 
-Choices METHOD.md leaves open (ours)
-------------------------------------
+Choices the method leaves open (ours)
+-------------------------------------
 - A nonzero reward on a non-action position raises ``ValueError`` naming the (row, position):
   it would otherwise be silently lost. Fix: put rewards on the last action token
   (``minirsi.episode.collate`` does).
