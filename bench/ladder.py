@@ -68,6 +68,8 @@ def main() -> int:
     ap.add_argument("--measure", type=int, default=8, help="samples per task to measure success (LO:HI)")
     ap.add_argument("--preset", default="toy-cpu", help="preset whose rollout / warmup / rpr1 settings apply")
     ap.add_argument("--tail", type=int, default=4, help="joint steps averaged at the end")
+    ap.add_argument("--final", type=int, default=4,
+                    help="samples per pool task measured before and after RPR (same seeds; 0: off)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="", help="folder for ladder.json and ladder.png")
     ap.add_argument("overrides", nargs="*", help="preset overrides, e.g. rpr1.lr_actor=5e-4")
@@ -85,8 +87,14 @@ def main() -> int:
     scales = calibrate_scales(tasks, cfg)
     print(f"pool ({len(pool)}): {[t.task_id for t in pool]} {measured or ''}", flush=True)
 
+    def measure(seed: int) -> dict[str, float]:
+        """Every pool task ``--final`` times: success per task, the same count for each."""
+        eps = rollout_fn(actor, [t for t in pool for _ in range(args.final)], seed)
+        return {t.task_id: sum(e.success for e in eps if e.task_id == t.task_id) / args.final for t in pool}
+
     t0 = time.time()
     actor.eval().requires_grad_(False)
+    before = measure(4242) if args.final else {}
     warm_eps = rollout_fn(actor, [t for t in pool for _ in range(max(1, 32 // len(pool)))], 777)
     critic = build_critic(actor)
     evs = warmup_critic(critic, warm_eps, score(warm_eps, cfg.warmup.reward, scales), cfg.warmup)
@@ -112,14 +120,21 @@ def main() -> int:
     start, end = sum(calib) / len(calib), sum(joint[-args.tail:]) / len(joint[-args.tail:])
     print(f"pool success: {start:.2f} (calibration, frozen actor) -> {end:.2f} (last {args.tail} joint steps): "
           f"{100 * (end - start):+.1f} points in {time.time() - t0:.0f} s")
+    after = measure(4242) if args.final else {}
+    if args.final:
+        b, a = sum(before.values()) / len(pool), sum(after.values()) / len(pool)
+        print(f"pool success measured with {args.final} samples a task: {b:.2f} before -> {a:.2f} after: "
+              f"{100 * (a - b):+.1f} points")
     for tid, steps in per_task.items():
         first, last = [x for s in steps[: rcfg.critic_calibration_updates] for x in s], [x for s in steps[-args.tail:] for x in s]
-        print(f"  {tid:32s} {sum(first) / max(len(first), 1):.2f} -> {sum(last) / max(len(last), 1):.2f}")
+        print(f"  {tid:32s} {sum(first) / max(len(first), 1):.2f} -> {sum(last) / max(len(last), 1):.2f}"
+              + (f"   measured {before[tid]:.2f} -> {after[tid]:.2f}" if args.final else ""))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "ladder.json").write_text(json.dumps({"pool": [t.task_id for t in pool], "start": start,
-                                                     "end": end, "history": history, "per_task": per_task}, indent=1) + "\n")
+                                                     "end": end, "before": before, "after": after, "history": history,
+                                                     "per_task": per_task}, indent=1) + "\n")
         import matplotlib
 
         matplotlib.use("Agg")

@@ -22,12 +22,10 @@ sequential (wall time, target >= 4x), of generation (wall), and of the generatin
 
 Why the machine figure: a jail's processes (its init, the agent's shell and commands, the
 verifier's Python) are reaped by the jail's own init and killed with it when the sandbox
-closes, so most of their CPU never reaches this process's ``RUSAGE_CHILDREN`` (measured: ~0.6
-s of it where the machine counted ~2 s beyond this process). On a 2-core machine a batched run
-keeps both cores ~90% busy, mostly with that work (perf, 32 episodes: the jails' exec chain,
-bash, git and the verifiers' Python ~1.6 s of CPU, this process ~1.1 s); generation then
-waits for a core, which is why its wall time exceeds its CPU time. The machine figure
-includes any other job running at the time: run this on a quiet machine.
+closes, so most of their CPU never reaches this process's ``RUSAGE_CHILDREN``. On a 2-core
+machine a batched run keeps both cores busy, mostly with that work, so generation waits for a
+core and its wall time exceeds its CPU time (measured: docs/experiments.md). The machine
+figure includes any other job running at the time: run this on a quiet machine.
 
 The model: ``--model DIR`` (e.g. the pretrained Base from ``minirsi pretrain``), else a
 randomly initialised tiny model with a tokenizer trained on the toy corpus. A random model
@@ -67,8 +65,7 @@ def main() -> None:
     p.add_argument("--sequential-episodes", type=int, default=None,
                    help="episodes timed one at a time (default: all; fewer are scaled up)")
     p.add_argument("--backend", default="bwrap", choices=BACKENDS)
-    # One intra-op thread: on a shared 2-core machine, spinning OpenMP workers made a second
-    # thread 5-10x slower, not faster (measured: sequential 1026 s with 2 threads, 48 s with 1).
+    # One intra-op thread: on a shared 2-core machine spinning OpenMP workers make a second one slower.
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -21,12 +21,9 @@ initialised tiny model (``models.build_tiny_actor``) with a BPE trained on the t
 random model rarely closes its turn, so its rollouts run every turn to ``--max-new-tokens``:
 the rollout share is then at its largest.
 
-Measured on the 2-core CPU box while other jobs loaded it (load average 8-13, so absolute
-times are pessimistic; the ratios are what to read), random tiny model, 16 episodes x 808
-tokens, 4608 action tokens, minibatch 8: ~540-570 action tokens/s with 1 thread; the first
-update adds ~850 MiB of peak RSS with grad_accum 1 and ~300 MiB with grad_accum 4 at the same
-throughput (per-layer attention weights of both models dominate, and scale with the
-micro-batch); an RPR step spent ~40-50% of its time in rollout.
+Peak memory of the update is dominated by the per-layer attention weights of both models, so
+it scales with the micro-batch (``--grad-accum``), not the minibatch. Measured figures:
+docs/experiments.md.
 
 Run::
 

@@ -5,10 +5,14 @@ and half of its tokens observations, laid out as ``minirsi.episode.collate`` lay
 (prompt, then per turn: action tokens, observation tokens; turn ids non-decreasing), with the
 episode reward on the last action token. Prints, all measured in this one run:
 
+- ``tb_gae``: what training runs (``impl="fast"``, minirsi/tb_gae_fast.py);
 - ``floor``: one ``flip`` + ``cumsum`` + ``flip`` over the same (B, T) tensor, the cost of a
-  single reverse scan that any implementation must at least pay; target TB-GAE / floor <= 3;
-- ``loop``: ``tb_gae_reference`` (the per-token Python loop) timed on a prefix of
-  ``--loop-tokens`` tokens per row and scaled linearly to T; target speed-up >= 100;
+  single reverse scan that any implementation must at least pay; target tb_gae / floor <= 3;
+- ``loop``: ``tb_gae_reference`` (the loop over positions, vectorised over the batch) timed on
+  a prefix of ``--loop-tokens`` tokens per row and scaled linearly to T; target speed-up >= 100;
+- ``plain``: ``tb_gae_plain``, the readable closed form (no target; fewer repeats);
+- ``many turns``: tb_gae with every action token its own turn (rpr.py's ``token_gae``
+  ablation, K ~ 130,000 turns a row), where the chunk tricks do not pay (no target);
 - the largest |difference| between float32 TB-GAE and the float64 result on the full batch.
 
 Timings are the minimum over ``--repeats`` interleaved runs (the least disturbed by other
@@ -28,7 +32,7 @@ import time
 
 import torch
 
-from minirsi.tb_gae import tb_gae, tb_gae_reference
+from minirsi.tb_gae import tb_gae, tb_gae_plain, tb_gae_reference
 
 
 def make_batch(B: int, T: int, turns: int, seed: int = 0, device: str = "cpu"):
@@ -56,7 +60,7 @@ def make_batch(B: int, T: int, turns: int, seed: int = 0, device: str = "cpu"):
             last_action = t - 1
             turn_ids[b, t:t + obs_len[i]] = i + 1  # the observation opens the next turn
             t += int(obs_len[i])
-        # METHOD.md section 3: end on an action token; the trailing tokens act as padding.
+        # docs/method.md section 3: end on an action token; the trailing tokens act as padding.
         turn_ids[b, last_action + 1:] = k - 1
         rewards[b, last_action] = float(torch.rand(1, generator=gen)) * 2
     values = torch.randn(B, T, generator=gen)
@@ -100,30 +104,38 @@ def main() -> None:
 
     rewards, values, action_mask, turn_ids = make_batch(
         args.batch, args.tokens, args.turns, device=args.device)
-    g, l = args.gamma_turn, args.lam_turn
+    gamma_turn, lam_turn = args.gamma_turn, args.lam_turn
 
     fns = [lambda: values.flip(1).cumsum(1).flip(1),
-           lambda: tb_gae(rewards, values, action_mask, turn_ids, g, l)]
+           lambda: tb_gae(rewards, values, action_mask, turn_ids, gamma_turn, lam_turn)]
     t_floor, t_gae = best_times(fns, args.repeats, sync)
     cpu = None
     if args.device == "cpu" and torch.get_num_threads() == 1:
         # One thread: this process's CPU time excludes the time other processes held the core.
         cpu = best_times(fns, args.repeats, sync, clock=time.process_time)
 
+    plain = [lambda: tb_gae_plain(rewards, values, action_mask, turn_ids, gamma_turn, lam_turn)]
+    t_plain, = best_times(plain, max(1, args.repeats // 10), sync)  # ~10x slower: fewer runs
+    steps = action_mask.long().cumsum(1)  # (B, T) every action token a turn of its own
+    many = [lambda: tb_gae(rewards, values, action_mask, steps, 1.0, lam_turn)]
+    t_many, = best_times(many, max(1, args.repeats // 10), sync)
+
     L = min(args.loop_tokens, args.tokens)
     prefix = [x[:, :L] for x in (rewards, values, action_mask, turn_ids)]
     t0 = time.perf_counter()
-    tb_gae_reference(*prefix, g, l)
+    tb_gae_reference(*prefix, gamma_turn, lam_turn)
     t_loop = (time.perf_counter() - t0) * args.tokens / L
 
-    A32, R32 = tb_gae(rewards, values, action_mask, turn_ids, g, l)
-    A64, R64 = tb_gae(rewards.double(), values.double(), action_mask, turn_ids, g, l)
+    A32, R32 = tb_gae(rewards, values, action_mask, turn_ids, gamma_turn, lam_turn)
+    A64, R64 = tb_gae(rewards.double(), values.double(), action_mask, turn_ids, gamma_turn, lam_turn)
     err = float((A32.double() - A64).abs().max())
 
     print(f"TB-GAE bench: B={args.batch} T={args.tokens} ~{args.turns} turns/row, "
           f"{float(action_mask.mean()):.1%} action tokens, device={args.device}, "
           f"threads={torch.get_num_threads()}")
-    print(f"  tb_gae                 {t_gae * 1e3:9.2f} ms")
+    print(f"  tb_gae (impl='fast')   {t_gae * 1e3:9.2f} ms")
+    print(f"  tb_gae_plain           {t_plain * 1e3:9.2f} ms  ({t_plain / t_floor:.1f} x the floor)")
+    print(f"  tb_gae, many turns     {t_many * 1e3:9.2f} ms  (every action its own turn)")
     print(f"  flip+cumsum+flip floor {t_floor * 1e3:9.2f} ms")
     print(f"  loop reference (est.)  {t_loop * 1e3:9.0f} ms  (timed on {L} tokens/row, scaled)")
     print(f"  ratio tb_gae / floor   {t_gae / t_floor:9.2f} x   (target <= 3)")

@@ -2,7 +2,7 @@
 
 One file per idea; start with ``tb_gae.py`` (credit assignment), ``fdr.py`` / ``spr.py``
 (rewards), then ``rsr.py`` / ``rpr.py`` (the two stage types) and ``recipe.py`` (the
-five-stage recipe). ``../shared/METHOD.md`` (in the repository: README) fixes every definition.
+five-stage recipe). ``docs/method.md`` fixes every definition.
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The action format of an agent turn, and how prompts, observations and sessions become ids.
 
-METHOD.md section 3. An episode's token sequence is ChatML (the format Qwen models are tuned on):
+docs/method.md section 3. An episode's token sequence is ChatML (the format Qwen models are tuned on):
 
     <|im_start|>system\\n{SYSTEM_PROMPT}<|im_end|>\\n<|im_start|>user\\n{instruction}<|im_end|>\\n
     <|im_start|>assistant\\n                                  <- render_prompt_ids ends here

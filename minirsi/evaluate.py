@@ -1,4 +1,4 @@
-"""Mean@k evaluation of a checkpoint on task suites (METHOD.md section 7).
+"""Mean@k evaluation of a checkpoint on task suites (docs/method.md section 7).
 
 For a suite of tasks T, each task t is attempted k times (k = 3, fresh sandbox each time) and
 S_{t,i} in {0, 1} is the verifier's strict outcome of attempt i. Then
@@ -8,7 +8,7 @@ S_{t,i} in {0, 1} is the verifier's strict outcome of attempt i. Then
     process_reward(T)    = mean over all attempts of P / C          (long-horizon suites)
     strict_completion(T) = number of tasks whose attempts pass the gate in a majority (>= k/2)
 
-P / C are the passed and total non-hygiene checks (METHOD.md section 1). Strict completion is a
+P / C are the passed and total non-hygiene checks (docs/method.md section 1). Strict completion is a
 count of tasks, as the paper reports LHTB (0/46 -> 5/46); the paper does not say how it folds
 3 samples into one completion per task, so "a majority of the k attempts" is our choice.
 

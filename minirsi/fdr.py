@@ -1,6 +1,6 @@
-"""Family Dense Reward (FDR) and its frozen per-family calibration (METHOD.md section 2).
+"""Family Dense Reward (FDR) and its frozen per-family calibration (docs/method.md section 2).
 
-    D_f = Q_q({C_i : calibration task i in family f}),   q = 0.90 (METHOD.md)
+    D_f = Q_q({C_i : calibration task i in family f}),   q = 0.90 (docs/method.md)
     FDR = P / D_f                                         (not clipped)
 
 =========  =====================================================================
@@ -9,14 +9,14 @@ Symbol     Meaning
 P          passed non-hygiene checks of a run
 C          all non-hygiene checks of a task
 D_f        the family's scale: the q-quantile of C over its calibration tasks
-fallback   D for a family with no calibration tasks (METHOD.md: 82)
+fallback   D for a family with no calibration tasks (docs/method.md: 82)
 =========  =====================================================================
 
 FDR is deliberately not clipped: a failed run that passes more checks than D_f scores >= 1,
 the proxy-outcome mismatch that SPR (``minirsi/spr.py``) removes. ``minirsi/reward_audit.py``
 counts such runs.
 
-Choices METHOD.md leaves open (ours)
+Choices docs/method.md leaves open (ours)
 ------------------------------------
 - Quantile method: linear interpolation between order statistics, position q (n - 1) in the
   sorted counts (Hyndman-Fan type 7, numpy's and torch's default ``"linear"``). Example:

@@ -1,6 +1,6 @@
 """The actor: a causal LM loaded by name or path, an offline tokenizer, and per-token log-probs.
 
-METHOD.md section 3. The policy pi_theta is any Hugging Face causal LM; minirsi only ever
+docs/method.md section 3. The policy pi_theta is any Hugging Face causal LM; minirsi only ever
 touches it through ``from_pretrained`` / ``save_pretrained`` and a forward pass, so the tiny
 model trained on this CPU and a 27B checkpoint go through the same code:
 
@@ -99,18 +99,11 @@ def build_tokenizer(corpus_texts: Sequence[str], vocab_size: int = 2048) -> PreT
     return fast
 
 
-# Sizes, measured on this 2-core CPU (torch 2.13, fp32; `python -m minirsi.models` reprints):
-#   tiny : d=128, 4 layers, 4 heads (2 KV heads, head_dim 32), MLP 384, vocab 2048 tied
-#          ~1.05M parameters; fwd+bwd+AdamW step on 8x512 tokens 0.37 s; sampling 770 tok/s
-#          at batch 1, ~3500 tok/s at batch 8 (HF generate, KV cache).
-#   small: d=256, 6 layers, 8 heads (4 KV), MLP 768 -> 5.25M parameters, 1.15 s fwd+bwd;
-#          for a longer pretraining budget only.
-# Why these: the tiny model must pretrain to non-zero task success in <= 5 minutes on 2 cores,
-# and RL needs hundreds of rollouts; d=128 with 4 layers is the smallest that still learns the
-# toy families' command syntax in that budget; a 2048 vocabulary keeps the embedding (tied,
-# shared with the output head) at a quarter of the parameters while shell words stay 1-3 tokens.
-# GQA (2 KV heads) keeps the Qwen3 layout real models use. max_position_embeddings=4096 fits
-# prompt + 8 turns with room; RoPE costs nothing per unused position.
+# tiny (~1.05M parameters): the smallest that still learns the toy families' command syntax in
+# a few minutes of pretraining on 2 cores; small (~5.25M): for a longer budget only. A 2048
+# vocabulary keeps the tied embedding at a quarter of the parameters while shell words stay 1-3
+# tokens; GQA keeps the Qwen3 layout real models use; 4096 positions fit a prompt and 8 turns.
+# `python -m minirsi.models` prints sizes and timings (measured ones: docs/experiments.md).
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(
         hidden_size=128,

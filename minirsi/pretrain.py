@@ -21,11 +21,9 @@ output) and the fixed system prompt are most of the tokens, and the policy never
 them. ``context_weight=0`` gives the SFT loss on actions only.
 
 Budget. ``minutes`` caps the training loop (rendering the corpus and training the tokenizer
-come before it: ~20-90 s for 20000 sessions). Steps per minute depend on the machine's load
-(about 200/min on an idle 2-core machine, estimated from the 8x512 timing in models.py;
-40-80/min measured while other jobs shared the 2 cores), so a Base
-trained to a time budget differs between machines; set ``max_steps`` (and a generous
-``minutes``) for a reproducible Base.
+come before it). Steps per minute depend on the machine and its load, so a Base trained to a
+time budget differs between machines; set ``max_steps`` (and a generous ``minutes``) for a
+reproducible Base. Measured rates: docs/experiments.md.
 
 Optimiser: AdamW, linear warm-up then cosine decay to ``min_lr_ratio * lr``. The schedule runs
 on progress = step / max_steps when ``max_steps`` is set, else elapsed time / time budget, so a
@@ -72,9 +70,8 @@ class PretrainConfig:
 
     sessions: int = 20000
     """Number of corpus sessions generated (``toy_envs.corpus.sessions(n=...)``); about half a
-    pass in the budget. With 3000 sessions seen 4 times the model memorised instruction ->
-    command pairs (held-out action loss 0.37 vs 0.20 in training) instead of learning to copy
-    names from the instruction, and Base solved 0-6% of the training pool."""
+    pass in the budget, since a corpus seen several times is memorised instead of teaching the
+    model to copy names from the instruction (docs/experiments.md)."""
     val_sessions: int = 64
     """Held-out sessions (another seed) for the final action-token loss and accuracy."""
     seed: int = 0
@@ -94,11 +91,9 @@ class PretrainConfig:
     max_len: int = 1024
     """Sessions rendered longer than this many tokens are dropped (counted in the metrics)."""
     lr: float = 6e-3
-    """Peak AdamW learning rate. Measured on 48 training-pool tasks (tiny, noise 0.2, one run
-    each, so read these as rough): 20000 sessions, lr 6e-3, stopped at step 600 of an 800-step
-    cosine: Base 15% strict success at tau=1, 21% greedy; the same with lr 3e-3: 4% / 0%;
-    10000 sessions, lr 6e-3, full 600-step cosine: 0% / 4%. Copying names from the instruction
-    appears abruptly, so Base varies between runs; check it before a recipe run."""
+    """Peak AdamW learning rate; the best of those tried for Base's strict success
+    (docs/experiments.md). Copying names from the instruction appears abruptly, so Base varies
+    between runs; check it before a recipe run."""
     min_lr_ratio: float = 0.1
     """The cosine decays to lr * min_lr_ratio."""
     warmup_steps: int = 20

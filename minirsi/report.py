@@ -14,7 +14,7 @@ and writes ``RUN_DIR/report.md`` with
 
 ``minirsi audit RUN_DIR`` rescores every stored episode of the run (``stages/*/episodes.jsonl``,
 the training rollouts; ``--eval`` adds the evaluation episodes) under FDR and SPR with the
-run's frozen calibration and prints the paper's audit figures (METHOD.md section 2): the failed
+run's frozen calibration and prints the paper's audit figures (docs/method.md section 2): the failed
 share of reward mass sum_{failed} r / sum_{all} r, failures scoring >= 1, and failures that
 passed every executed check. Both commands are served by ``cli(argv, command)``.
 """

@@ -1,4 +1,4 @@
-"""Reward audit: how much of a reward's mass goes to failed runs (METHOD.md section 2).
+"""Reward audit: how much of a reward's mass goes to failed runs (docs/method.md section 2).
 
 Over a set of scored runs and one reward function R:
 

@@ -1,6 +1,6 @@
 """The rollout engine: many multi-turn episodes at once, with exact token bookkeeping.
 
-METHOD.md section 3. An episode is the prompt followed by turns; turn k is an action a_k the
+docs/method.md section 3. An episode is the prompt followed by turns; turn k is an action a_k the
 policy sampled and the observation o_{k+1} the sandbox returned. The training sequence is
 built by appending ids, never by re-tokenising text:
 
@@ -293,9 +293,8 @@ def collect(
         while queue or live:
             admit = [start(queue.popleft()) for _ in range(min(len(queue), cfg.concurrency - len(live)))]
             if admit:
-                # Submitted from a helper thread: the pool starts its worker threads lazily, and
-                # each Thread.start() blocks its caller until the thread runs, which on a busy
-                # 2-core machine took ~7 ms a thread (0.27 s of the main thread for 32 episodes).
+                # From a helper thread: the pool starts workers lazily and each Thread.start()
+                # blocks its caller until the thread runs, slow on a busy machine (docs/experiments.md).
                 opens = [(r.task, r.opening) for r in admit]
                 threading.Thread(target=submit_opens, args=(opens,), name="rollout-open", daemon=True).start()
                 live += admit

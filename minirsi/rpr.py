@@ -42,6 +42,11 @@ Choices the paper leaves open, ours:
   small errors, and dividing them by their std turns that noise into unit-size pushes. On one
   toy task (bench/ladder.py) whitened PPO went 0.66 -> 1.00 success and then collapsed to 0.03
   in two steps (step KL 0.45); unwhitened it went 0.21 -> 0.99 and stayed there.
+* Groups (``samples_per_task`` G, ``drop_uniform_groups``): a step may draw fewer tasks and
+  roll each out G times. A task whose G episodes all end alike (all solved, all failed) teaches
+  the actor little beyond the critic's errors on it; with ``drop_uniform_groups`` such tasks
+  leave the update (DAPO's dynamic sampling, without the resampling), and a step in which no
+  task has both outcomes updates the critic only. Success is logged over every episode.
 * Calibration: the first ``critic_calibration_updates`` steps of a phase update the critic only
   (each on fresh rollouts of the frozen actor, as veRL's ``critic_warmup``); ``steps`` joint
   steps follow, so a phase runs calibration + steps rollouts.
@@ -135,6 +140,12 @@ class RPRConfig:
     which on a small model can swing some token probabilities by orders of magnitude."""
     episodes_per_step: int = 16
     """Rollouts per RPR step (tasks are cycled in a seeded shuffled order, repeating as needed)."""
+    samples_per_task: int = 1
+    """G: rollouts of each drawn task per step, so a step holds ``episodes_per_step / G`` tasks
+    (must divide it). G > 1 puts a task's successes and failures in the same update."""
+    drop_uniform_groups: bool = False
+    """Leave out of the update every task whose G episodes all succeeded or all failed (their
+    success rate is logged all the same). With G > 1 only; module docstring."""
     steps: int = 20
     """Joint (actor + critic) PPO steps, after the calibration updates."""
     critic_calibration_updates: int = 4
@@ -181,6 +192,12 @@ class RPRConfig:
         if self.grad_accum > self.minibatch_size:
             raise ValueError(f"RPRConfig.grad_accum={self.grad_accum} > minibatch_size={self.minibatch_size}: "
                              "a micro-batch needs at least one episode; lower grad_accum")
+        if self.samples_per_task < 1 or self.episodes_per_step % self.samples_per_task:
+            raise ValueError(f"RPRConfig.samples_per_task={self.samples_per_task}: must be >= 1 and divide "
+                             f"episodes_per_step={self.episodes_per_step}")
+        if self.drop_uniform_groups and self.samples_per_task < 2:
+            raise ValueError("RPRConfig.drop_uniform_groups needs samples_per_task >= 2 (a group of one "
+                             "episode is always uniform)")
         for name in ("steps", "critic_calibration_updates"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be >= 0")
@@ -526,8 +543,9 @@ def score(episodes: Sequence[Episode], kind: str, scales: dict[str, float],
     raise ValueError(f"score: reward kind {kind!r}; use 'fdr' or 'spr'")
 
 
-def task_stream(tasks: Sequence[Any], n: int, seed: int) -> Iterator[list[Any]]:
-    """Endless lists of ``n`` tasks: a seeded shuffle of ``tasks``, reshuffled when used up."""
+def task_stream(tasks: Sequence[Any], n: int, seed: int, group: int = 1) -> Iterator[list[Any]]:
+    """Endless lists of ``n`` tasks: ``n / group`` draws from a seeded shuffle of ``tasks``
+    (reshuffled when used up), each drawn task repeated ``group`` times in a row."""
     if not tasks:
         raise ValueError("RPR needs at least one training task")
     rng = random.Random(seed)
@@ -538,8 +556,16 @@ def task_stream(tasks: Sequence[Any], n: int, seed: int) -> Iterator[list[Any]]:
             if not pool:
                 pool = list(tasks)
                 rng.shuffle(pool)
-            out.append(pool.pop())
+            out.extend([pool.pop()] * group)
         yield out
+
+
+def uniform_groups(episodes: Sequence[Episode]) -> set[str]:
+    """Task ids whose episodes all succeeded or all failed (no contrast to learn from)."""
+    outcomes: dict[str, set[bool]] = {}
+    for e in episodes:
+        outcomes.setdefault(e.task_id, set()).add(bool(e.success))
+    return {task_id for task_id, seen in outcomes.items() if len(seen) == 1}
 
 
 def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[..., Any] | None = None,
@@ -593,7 +619,7 @@ def run_rpr(
     if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
         ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref = the actor as the stage starts
     optimizers = optimizers or make_optimizers(actor, critic, cfg)
-    stream = task_stream(train_tasks, cfg.episodes_per_step, cfg.seed)
+    stream = task_stream(train_tasks, cfg.episodes_per_step, cfg.seed, cfg.samples_per_task)
     history: list[dict[str, Any]] = []
     n_calib = cfg.critic_calibration_updates
     for step in range(n_calib + cfg.steps):
@@ -607,9 +633,15 @@ def run_rpr(
             raise RuntimeError(f"RPR step {step}: no episode has an action token; check the sampler/sandbox")
         rewards = score(usable, cfg.reward, scales, scales_prime)
         fdr = score(usable, "fdr", scales)
-        batch = prepare_batch(actor, critic, usable, rewards, cfg, pad_id_of(tokenizer), ref_model, world)
-        metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model, update_actor=phase == "joint",
-                             seed=step_seed, world=world)
+        uniform = uniform_groups(usable) if cfg.drop_uniform_groups else set()
+        kept = [i for i, e in enumerate(usable) if e.task_id not in uniform]
+        contrast = bool(kept)  # no task with both outcomes: the critic still learns, the actor waits
+        kept = kept if contrast else list(range(len(usable)))
+        train_eps = [usable[i] for i in kept]
+        batch = prepare_batch(actor, critic, train_eps, [rewards[i] for i in kept], cfg, pad_id_of(tokenizer),
+                              ref_model, world)
+        metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model,
+                             update_actor=phase == "joint" and contrast, seed=step_seed, world=world)
         t2 = time.perf_counter()
         synced = after_actor_update(actor) if after_actor_update is not None and phase == "joint" else {}
         if cfg.tis_cap:
@@ -623,6 +655,7 @@ def run_rpr(
             "turns": sum(e.turns for e in usable) / len(usable),
             "logprob_gap": logprob_gap(batch),
             "episodes": len(usable), "dropped_episodes": len(episodes) - len(usable),
+            **({"trained_episodes": len(train_eps) if contrast else 0} if cfg.drop_uniform_groups else {}),
             **metrics, **synced,
             "rollout_s": t1 - t0, "update_s": t2 - t1,
         }

@@ -1,6 +1,6 @@
 """Recursive Self-Rewrite (RSR): turn the actor's own verified successes into cleaner SFT data.
 
-METHOD.md section 6. One RSR stage (actor only; the critic is never read or written)::
+docs/method.md section 6. One RSR stage (actor only; the critic is never read or written)::
 
     runs      = rollout(actor, each task k times)                 # minirsi.rollout.collect
     verified  = [run for run in runs if run.success]              # S = 1, the terminal gate

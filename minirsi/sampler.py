@@ -1,6 +1,6 @@
 """Samplers: token ids in, sampled token ids and their log-probs out.
 
-METHOD.md section 3 asks for the exact ids the policy sampled and the sampler's log-probs, so a
+docs/method.md section 3 asks for the exact ids the policy sampled and the sampler's log-probs, so a
 sampler here never returns text that the caller would have to re-tokenise. Two backends share
 one protocol::
 
@@ -165,8 +165,8 @@ def _draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     """One id per row from ``softmax`` = exp(logp) (a, V), by inverting the CDF: the first id
     whose cumulative probability exceeds u * total, u ~ U[0, 1) from ``generator``.
 
-    The same distribution as ``torch.multinomial(p, 1)``, which cost ~30 us a row on CPU (1 ms
-    a decode step at 32 rows, a quarter of the step) where this costs ~2 us a row. The cumulative
+    The same distribution as ``torch.multinomial(p, 1)``, which is several times slower on CPU
+    (docs/experiments.md). The cumulative
     sum is float64, so rounding moves probability by < 1e-12; an id of probability 0 is never
     drawn (its cumulative value equals its predecessor's, and the search takes the first id
     strictly above u * total).
@@ -233,8 +233,8 @@ class HFSampler:
         prefix_cache: keep each row's KV cache for the next turn (see above).
         max_cache_bytes: memory bound of the kept caches.
         prefill_call_tokens: the fixed cost of one extra prefill call, in padded tokens; rows
-            are grouped to minimise (calls x this + padded tokens). 32 is ~1 ms of per-call
-            overhead against ~35 us a token for the tiny model on one CPU core.
+            are grouped to minimise (calls x this + padded tokens). 32: the tiny model's per-call
+            overhead on one CPU core, in tokens (docs/experiments.md).
     """
 
     def __init__(

@@ -277,8 +277,7 @@ def _int(body: dict[str, Any], key: str, default: int) -> int:
 class _Handler(BaseHTTPRequestHandler):
     server: CompletionServer
     protocol_version = "HTTP/1.1"
-    # TCP_NODELAY: the headers and the body go out in two writes, and with Nagle's algorithm the
-    # body waited for the client's delayed ACK: 52 ms a request on loopback, 4.8 ms without.
+    # TCP_NODELAY: headers and body are two writes, and Nagle held the body for the client's delayed ACK.
     disable_nagle_algorithm = True
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route http.server's log to logging

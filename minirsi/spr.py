@@ -1,4 +1,4 @@
-"""Success-Prioritized Reward (SPR), METHOD.md section 2.
+"""Success-Prioritized Reward (SPR), docs/method.md section 2.
 
     SPR = S + P / (P + D'_f),    S in {0, 1},  D'_f a frozen per-family constant > 0
 
@@ -15,7 +15,7 @@ scores < 1 and every success >= 1, whatever P; and d/dP [P / (P + D')] = D' / (P
 so SPR still grows with progress. Edge: P = 0 gives SPR = S. D' = 0 would make the term 1
 for every P > 0 and 0/0 at P = 0, so D' must be > 0 (validated, as for D_f).
 
-Choices METHOD.md leaves open (ours): a family missing from ``scales_prime`` (or from
+Choices docs/method.md leaves open (ours): a family missing from ``scales_prime`` (or from
 ``scales`` when ``scales_prime`` is None) gets that table's fallback, exactly as FDR does
 (``minirsi.fdr.scale_for``). ``total`` (C), when given, is checked: P <= C.
 

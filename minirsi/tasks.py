@@ -1,4 +1,4 @@
-"""Load shell tasks in the Harbor / Terminal-Bench 2 layout (METHOD.md section 1).
+"""Load shell tasks in the Harbor / Terminal-Bench 2 layout (docs/method.md section 1).
 
 A task is a directory::
 

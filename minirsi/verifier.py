@@ -1,4 +1,4 @@
-"""The protected verifier: S, P and C of one episode (METHOD.md section 1).
+"""The protected verifier: S, P and C of one episode (docs/method.md section 1).
 
 After the agent stops, ``verify(sandbox, task)``:
 
@@ -42,7 +42,7 @@ the same junit XML, in place of pytest: toy_envs/run_checks.py.) ``tests/test.sh
 - Checks are named ``<file stem>::<test name>`` (``test_outputs::test_greeting_content``);
   outcomes are passed | failed | error | skipped.
 - The gate may be stricter than "every check passed" (test.sh decides what it writes), which
-  is how a run can pass every executed check and still fail (METHOD.md section 1).
+  is how a run can pass every executed check and still fail (docs/method.md section 1).
 - Residual risk: tests that *execute* agent-written programs run them with the verifier's
   rights, so such a program could write /logs/verifier while pytest runs (e.g. a read-only
   junit.xml or reward.txt). The ``kill -9 -1`` and ``rm -rf`` lines above close the reward

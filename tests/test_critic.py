@@ -93,7 +93,7 @@ def test_build_critic_copies_the_backbone_and_starts_at_zero():
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 11))
 def test_value_at_a_position_never_sees_that_token_or_later_ones(seed, t):
-    """METHOD.md section 4: V_t is the value before x_t is sampled. Changing x_t and everything
+    """docs/method.md section 4: V_t is the value before x_t is sampled. Changing x_t and everything
     after it must leave V_0..V_t exactly as they were (and V_0 = 0: no context yet)."""
     torch.manual_seed(seed)
     critic = build_critic(tiny_qwen(seed=seed % 3), head_init_std=0.5)
@@ -171,7 +171,7 @@ def learnable_episodes(n: int, seed: int) -> tuple[list[Episode], list[float]]:
 
 
 def test_warmup_trains_every_critic_parameter_and_no_actor_parameter():
-    """METHOD.md section 5: the warm-up trains the whole critic (backbone and head) on rollouts
+    """docs/method.md section 5: the warm-up trains the whole critic (backbone and head) on rollouts
     of a frozen actor. The recipe freezes the actor with requires_grad_(False); a critic built
     from it must not inherit that (the first version trained 65 of 93,377 parameters)."""
     actor = tiny_qwen()

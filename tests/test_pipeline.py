@@ -419,11 +419,9 @@ def test_smoke_preset_end_to_end_against_base(tmp_path):
 
     The Base-vs-final comparison is an expected failure where the Base already copies the
     instruction's names: the 1000-step Base lands on either side of that transition depending on
-    the machine's floating point (3.7% core on the machine the gate was written on, where the
-    final stage won by 1.8-6.9 points over seeds 0-3; 15.3% on the machine of issue 13's
-    session, where the fixed code ended at 10.2% and a 900-step Base went 13.4% -> 10.6%). The
-    recipe does not yet improve such a Base (README, "Results"); the test says so instead of
-    gating on it, and fails hard if the final stage loses more than half of Base's success."""
+    the machine's floating point, and the recipe does not yet improve such a Base (measured:
+    docs/experiments.md; README, "Results"). The test says so instead of gating on it, and fails
+    hard if the final stage loses more than half of Base's success."""
     out = tmp_path / "smoke"
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "minirsi.cli", "run", "--preset", "smoke", "--out", str(out)],
@@ -451,5 +449,5 @@ def test_smoke_preset_end_to_end_against_base(tmp_path):
     assert final >= base / 2, f"the recipe lost more than half of Base's success: {base:.3f} -> {final:.3f}"
     if final <= base:
         pytest.xfail(f"final stage {final:.3f} does not beat Base {base:.3f} (a Base past the copy transition; "
-                     "issue 13's measurements in the README)")
+                     "docs/experiments.md)")
 

@@ -25,6 +25,8 @@ from minirsi.rpr import (
     ppo_update,
     prepare_batch,
     run_rpr,
+    task_stream,
+    uniform_groups,
     whiten,
 )
 from tiny import VOCAB, tiny_qwen
@@ -461,6 +463,67 @@ def test_config_rejects_bad_values_with_fix(tmp_path):
         load_config(RPRConfig, p, ["lam=0.9"])
     with pytest.raises(ConfigError, match="gamma_turn"):
         load_config(RPRConfig, p, ["gamma_turn=1.5"])
+
+
+@given(n_tasks=st.integers(1, 7), group=st.sampled_from([1, 2, 4]), draws=st.integers(1, 4), seed=st.integers(0, 99))
+@settings(max_examples=40, deadline=None)
+def test_task_stream_repeats_each_drawn_task_group_times_and_cycles_the_pool(n_tasks, group, draws, seed):
+    tasks = [f"t{i}" for i in range(n_tasks)]
+    stream = task_stream(tasks, group * draws, seed, group)
+    drawn = []
+    for _ in range(3):
+        step = next(stream)
+        assert len(step) == group * draws
+        heads = step[::group]
+        assert all(step[i * group:(i + 1) * group] == [h] * group for i, h in enumerate(heads))
+        drawn += heads
+    full = len(drawn) // n_tasks * n_tasks  # every complete pass over the shuffle holds each task once
+    for k in range(0, full, n_tasks):
+        assert sorted(drawn[k:k + n_tasks]) == tasks
+
+
+def _group_episodes(outcomes: dict[str, list[bool]], seed: int = 0) -> list[Episode]:
+    rng, out = random.Random(seed), []
+    for task_id, successes in outcomes.items():
+        for ok in successes:
+            e = synthetic_episode(rng, 2)
+            e.task_id, e.success, e.passed = task_id, ok, int(ok)
+            out.append(e)
+    return out
+
+
+def test_uniform_groups_are_the_tasks_without_both_outcomes():
+    eps = _group_episodes({"solved": [True] * 3, "failed": [False] * 3, "mixed": [True, False, False]})
+    assert uniform_groups(eps) == {"solved", "failed"}
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_drop_uniform_groups_trains_on_tasks_with_both_outcomes_only(mixed):
+    """Two tasks, 4 episodes each a step: "solved" always succeeds; "other" succeeds half of
+    the time (mixed) or never. Only "other"'s episodes reach the update; with no task of both
+    outcomes the actor stays bit-identical and the critic still learns."""
+    torch.manual_seed(0)
+    actor = tiny_qwen()
+    critic = build_critic(actor)
+    a0, c0 = fingerprint(actor), fingerprint(critic)
+    calls = []
+
+    def rollout_fn(model, tasks, seed):
+        calls.append(list(tasks))
+        assert tasks[:4] == [tasks[0]] * 4 and tasks[4:] == [tasks[4]] * 4
+        return _group_episodes({"solved": [True] * 4, "other": [True, False] * 2 if mixed else [False] * 4}, seed)
+
+    cfg = _cfg(episodes_per_step=8, samples_per_task=4, drop_uniform_groups=True, steps=1,
+               critic_calibration_updates=0, lr_actor=1e-3, reward="fdr")
+    (record,) = run_rpr(actor, critic, None, ["solved", "other"], cfg, rollout_fn, scales={"f": 1.0})
+    assert record["episodes"] == 8 and record["binary_reward"] == (6 / 8 if mixed else 4 / 8)
+    assert record["trained_episodes"] == (4 if mixed else 0)
+    assert (fingerprint(actor) != a0) is mixed
+    assert fingerprint(critic) != c0
+    with pytest.raises(ValueError, match="divide"):
+        RPRConfig(episodes_per_step=8, samples_per_task=3)
+    with pytest.raises(ValueError, match="samples_per_task >= 2"):
+        RPRConfig(drop_uniform_groups=True)
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -1,4 +1,4 @@
-"""TB-GAE (minirsi/tb_gae.py) against its per-token loop and every property of METHOD.md s.4."""
+"""TB-GAE (minirsi/tb_gae.py) against its per-token loop and every property of docs/method.md s.4."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import minirsi.tb_gae as tb_gae_module
-from minirsi.tb_gae import tb_gae, tb_gae_chunked, tb_gae_reference
+import minirsi.tb_gae_fast as tb_gae_fast_module
+from minirsi.tb_gae import IMPLEMENTATIONS, tb_gae, tb_gae_chunked, tb_gae_plain, tb_gae_reference
+from minirsi.tb_gae_fast import tb_gae_fast
 
 SETTINGS = settings(max_examples=120, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
+
+FORMS = {"reference": tb_gae_reference, "plain": tb_gae_plain, "fast": tb_gae}  # tb_gae: fast
+each_form = pytest.mark.parametrize("form", list(FORMS.values()), ids=list(FORMS))
+each_impl = pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -74,7 +79,7 @@ def batches(draw, max_B: int = 4, max_T: int = 40, arbitrary_obs_ids: bool | Non
     values = torch.randn(B, T, generator=gen, dtype=torch.float64) * draw(
         st.sampled_from([0.0, 1.0, 10.0]))
     rewards = torch.randn(B, T, generator=gen, dtype=torch.float64) * mask
-    if draw(st.booleans()):  # METHOD.md: one reward, on the last action token
+    if draw(st.booleans()):  # docs/method.md: one reward, on the last action token
         keep = torch.zeros_like(mask)
         for b in range(B):
             acts = mask[b].nonzero()
@@ -90,11 +95,12 @@ def batches(draw, max_B: int = 4, max_T: int = 40, arbitrary_obs_ids: bool | Non
 # --------------------------------------------------------------------------- vectorised == loop
 
 
+@each_impl
 @SETTINGS
 @given(batches())
-def test_matches_per_token_loop(batch):
+def test_matches_per_token_loop(impl, batch):
     rewards, values, action_mask, turn_ids, g, l = batch
-    A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l)
+    A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l, impl=impl)
     A_ref, R_ref = tb_gae_reference(rewards, values, action_mask, turn_ids, g, l)
     assert A.dtype == values.dtype and R.dtype == values.dtype
     tol = tolerance(rewards, values)
@@ -105,13 +111,70 @@ def test_matches_per_token_loop(batch):
 
 
 @SETTINGS
+@given(batches())
+def test_fast_equals_plain(batch):
+    # The CPU-tuned path (minirsi/tb_gae_fast.py) against the plain form it optimises: both
+    # sum in float64 and cast once, in different orders.
+    rewards, values, action_mask, turn_ids, g, l = batch
+    A, R = tb_gae_fast(rewards, values, action_mask, turn_ids, g, l)
+    A_plain, R_plain = tb_gae_plain(rewards, values, action_mask, turn_ids, g, l)
+    tol = tolerance(rewards, values)
+    torch.testing.assert_close(A, A_plain, atol=tol, rtol=0)
+    torch.testing.assert_close(R, R_plain, atol=tol, rtol=0)
+
+
+def training_batch(seed: int, B: int, T: int, turns: int, token_gae: bool = False):
+    """A batch as training hands it to tb_gae: ``collate``'s layout (prompt, then per turn
+    action tokens and observation tokens, padding repeating the last turn id), float32 action
+    mask, values and rewards, the episode's reward on its last action token; with
+    ``token_gae`` the turn ids are rpr.py's per-token ablation (every action its own step)."""
+    gen = torch.Generator().manual_seed(seed)
+    action_mask = torch.zeros(B, T)
+    turn_ids = torch.zeros(B, T, dtype=torch.long)
+    rewards = torch.zeros(B, T)
+    for b in range(B):
+        t = int(torch.randint(1, 30, (1,), generator=gen))  # prompt
+        end = T - int(torch.randint(0, T // 4 + 1, (1,), generator=gen))  # right padding
+        for k in range(int(torch.randint(1, turns + 1, (1,), generator=gen))):
+            n_act, n_obs = (int(x) for x in torch.randint(1, T // turns + 2, (2,), generator=gen))
+            if t + n_act > end:
+                break
+            action_mask[b, t:t + n_act] = 1.0
+            turn_ids[b, t:] = k
+            t += n_act
+            rewards[b].zero_()
+            rewards[b, t - 1] = float(torch.randn(1, generator=gen))
+            turn_ids[b, t:] = k + 1 if t + n_obs < end else k  # the observation opens turn k + 1
+            t += n_obs
+    if token_gae:
+        turn_ids = action_mask.long().cumsum(1)
+    values = torch.randn(B, T, generator=gen)
+    return rewards, values, action_mask, turn_ids
+
+
+@pytest.mark.parametrize("token_gae", [False, True])
+def test_default_is_the_fast_path_and_equals_plain_on_training_batches(token_gae):
+    # What training calls (tb_gae, impl="fast" by default) is tb_gae_fast bit for bit, and the
+    # plain form agrees with it to float32 rounding on batches shaped like training's.
+    for seed in range(20):
+        batch = training_batch(seed, B=4, T=300 + 97 * seed, turns=12, token_gae=token_gae)
+        A, R = tb_gae(*batch, 0.99, 0.95)
+        A_fast, R_fast = tb_gae_fast(*batch, 0.99, 0.95)
+        assert torch.equal(A, A_fast) and torch.equal(R, R_fast)
+        A_plain, R_plain = tb_gae(*batch, 0.99, 0.95, impl="plain")
+        tol = tolerance(batch[0], batch[1])
+        torch.testing.assert_close(A_plain, A, atol=tol, rtol=0)
+        torch.testing.assert_close(R_plain, R, atol=tol, rtol=0)
+
+
+@SETTINGS
 @given(batches(), st.sampled_from([1, 2, 3, 4, 8]))
 def test_chunked_prefix_path_matches_per_token_loop(batch, chunk):
     # With few turns per token tb_gae reads prefix sums chunk by chunk and expands each
     # turn's value over whole chunks (_chunk_prefix, _prefix_at, _nth, _expand_blocks); a
     # tiny chunk length makes the hypothesis batches take that path.
     rewards, values, action_mask, turn_ids, g, l = batch
-    with mock.patch.object(tb_gae_module, "_CHUNK", chunk):
+    with mock.patch.object(tb_gae_fast_module, "_CHUNK", chunk):
         A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l)
     A_ref, R_ref = tb_gae_reference(rewards, values, action_mask, turn_ids, g, l)
     tol = tolerance(rewards, values)
@@ -147,7 +210,7 @@ def test_chunked_and_full_cumsum_paths_agree_on_long_rows(layout):
         if layout == "reward_mid_turn":
             rewards[b, acts[len(acts) // 3]] = -0.5
     A, R = tb_gae(rewards, values, mask.float(), turn_ids, 0.99, 0.9)
-    with mock.patch.object(tb_gae_module, "_CHUNK", 10**9):
+    with mock.patch.object(tb_gae_fast_module, "_CHUNK", 10**9):
         A_full, R_full = tb_gae(rewards, values, mask.float(), turn_ids, 0.99, 0.9)
     torch.testing.assert_close(A, A_full, atol=1e-9, rtol=0)
     torch.testing.assert_close(R, R_full, atol=1e-9, rtol=0)
@@ -172,8 +235,8 @@ def test_chunk_layout_says_sorted_exactly_when_rows_do_not_decrease(data):
     if data.draw(st.booleans()):  # one decrease by d at a random position
         b, t = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, T - 1))
         key[b, t] -= data.draw(st.integers(1, 3))
-    with mock.patch.object(tb_gae_module, "_CHUNK", chunk):
-        layout = tb_gae_module._chunk_layout(key)
+    with mock.patch.object(tb_gae_fast_module, "_CHUNK", chunk):
+        layout = tb_gae_fast_module._chunk_layout(key)
     ordered = bool((key[:, 1:] >= key[:, :-1]).all())
     if T < chunk:
         assert layout is None
@@ -212,10 +275,10 @@ def test_collate_layout_takes_the_broadcast_path():
             t += n_obs
         rewards[b, mask[b].nonzero()[-1]] = 1.0 + b
     values = torch.randn(B, T, generator=gen)
-    with mock.patch.object(tb_gae_module, "_expand_blocks", wraps=tb_gae_module._expand_blocks) as spy:
+    with mock.patch.object(tb_gae_fast_module, "_expand_blocks", wraps=tb_gae_fast_module._expand_blocks) as spy:
         A, R = tb_gae(rewards, values, mask, turn_ids, 0.99, 0.95)
     assert spy.call_count == 1
-    with mock.patch.object(tb_gae_module, "_CHUNK", 10**9):  # the gather path
+    with mock.patch.object(tb_gae_fast_module, "_CHUNK", 10**9):  # the gather path
         A_full, R_full = tb_gae(rewards, values, mask, turn_ids, 0.99, 0.95)
     torch.testing.assert_close(A, A_full, atol=1e-6, rtol=0)
     torch.testing.assert_close(R, R_full, atol=1e-6, rtol=0)
@@ -230,19 +293,21 @@ def test_long_float32_sequence_keeps_precision():
     turn_ids = torch.cumsum(torch.rand(B, T, generator=gen) < 0.01, dim=1)
     values = torch.randn(B, T, generator=gen) * 100
     rewards = torch.rand(B, T, generator=gen) * mask
-    A64, _ = tb_gae_reference(rewards, values, mask, turn_ids, 0.99, 0.95)
+    # The float64 plain form as the exact answer (equal to the loop: the tests above).
+    A64, _ = tb_gae_plain(rewards.double(), values.double(), mask, turn_ids, 0.99, 0.95)
     A32, _ = tb_gae(rewards, values, mask, turn_ids, 0.99, 0.95)
     err = (A32.double() - A64.double()).abs().max().item()
     assert err < 1e-7 * float(rewards.abs().sum(dim=1).max() + values.abs().max()) * 4
 
 
-def test_mask_dtypes_agree():
+@each_impl
+def test_mask_dtypes_agree(impl):
     gen = torch.Generator().manual_seed(1)
     mask = torch.rand(3, 30, generator=gen) < 0.5
     turn_ids = torch.cumsum(torch.rand(3, 30, generator=gen) < 0.2, dim=1)
     values = torch.randn(3, 30, generator=gen, dtype=torch.float64)
     rewards = torch.randn(3, 30, generator=gen, dtype=torch.float64) * mask
-    outs = [tb_gae(rewards, values, mask.to(d), turn_ids, 0.9, 0.8) for d in
+    outs = [tb_gae(rewards, values, mask.to(d), turn_ids, 0.9, 0.8, impl=impl) for d in
             (torch.bool, torch.float32, torch.int32, torch.long)]
     for A, R in outs[1:]:
         assert torch.equal(A, outs[0][0]) and torch.equal(R, outs[0][1])
@@ -251,7 +316,8 @@ def test_mask_dtypes_agree():
 # --------------------------------------------------------------------------- hand-worked cases
 
 
-def test_hand_worked_two_turns_with_observation():
+@each_form
+def test_hand_worked_two_turns_with_observation(form):
     # tokens:   a0   a1   o    a2      (a = action, o = observation)
     # turn:     0    0    1    1
     # r:        0    0    0    1
@@ -266,12 +332,13 @@ def test_hand_worked_two_turns_with_observation():
     V = torch.tensor([[0.5, 0.4, 9.0, 0.2]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0, 1]])
     turn = torch.tensor([[0, 0, 1, 1]])
-    A, R = tb_gae(r, V, mask, turn, 0.9, 0.5)
+    A, R = form(r, V, mask, turn, 0.9, 0.5)
     torch.testing.assert_close(A, torch.tensor([[0.04, 0.14, 0.0, 0.8]], dtype=torch.float64))
     torch.testing.assert_close(R, torch.tensor([[0.54, 0.54, 0.0, 1.0]], dtype=torch.float64))
 
 
-def test_hand_worked_three_turns_padding_and_prompt():
+@each_form
+def test_hand_worked_three_turns_padding_and_prompt(form):
     # tokens:  p    a0   o    a1   o    a2   a2   pad
     # turn:    0    0    1    1    2    2    2    2
     # r:       0    0    0    0    0    0    2    0       V = 1 on every action token
@@ -284,23 +351,25 @@ def test_hand_worked_three_turns_padding_and_prompt():
     V = torch.tensor([[7.0, 1, 7, 1, 7, 1, 1, 7]])
     mask = torch.tensor([[0, 1, 0, 1, 0, 1, 1, 0]], dtype=torch.bool)
     turn = torch.tensor([[0, 0, 1, 1, 2, 2, 2, 2]])
-    A, R = tb_gae(r, V, mask, turn, 1.0, 0.5)
+    A, R = form(r, V, mask, turn, 1.0, 0.5)
     torch.testing.assert_close(A, torch.tensor([[0, 0.25, 0, 0.5, 0, 1, 1, 0]]))
     torch.testing.assert_close(R, torch.tensor([[0, 1.25, 0, 1.5, 0, 2, 2, 0]]))
 
 
-def test_row_without_actions_is_zero():
+@each_form
+def test_row_without_actions_is_zero(form):
     r = torch.zeros(2, 3)
     V = torch.ones(2, 3)
     mask = torch.tensor([[0, 0, 0], [0, 1, 0]])
-    A, R = tb_gae(r, V, mask, torch.zeros(2, 3, dtype=torch.long), 0.9, 0.9)
+    A, R = form(r, V, mask, torch.zeros(2, 3, dtype=torch.long), 0.9, 0.9)
     # Row 1: the single action has no successor: A = 0 - 1 = -1, R = 0.
     assert A.tolist() == [[0, 0, 0], [0, -1, 0]] and R.tolist() == [[0, 0, 0], [0, 0, 0]]
 
 
-# --------------------------------------------------------------------------- METHOD.md properties
+# --------------------------------------------------------------------------- docs/method.md properties
 
 
+@each_form
 @SETTINGS
 @given(
     n_boundaries=st.integers(0, 6),
@@ -308,7 +377,7 @@ def test_row_without_actions_is_zero():
     obs_per_turn=st.lists(st.integers(0, 6), min_size=7, max_size=7),
     g=st.floats(0.0, 1.0), l=st.floats(0.0, 1.0), seed=st.integers(0, 1000),
 )
-def test_attenuation_is_gl_pow_B(n_boundaries, tokens_per_turn, obs_per_turn, g, l, seed):
+def test_attenuation_is_gl_pow_B(form, n_boundaries, tokens_per_turn, obs_per_turn, g, l, seed):
     # A reward on the last action moves A at an action B boundaries earlier by (g l)^B,
     # whatever the observation lengths and the number of tokens per turn.
     mask, turn = [], []
@@ -325,8 +394,8 @@ def test_attenuation_is_gl_pow_B(n_boundaries, tokens_per_turn, obs_per_turn, g,
     r0 = torch.zeros(1, T, dtype=torch.float64)
     r1 = r0.clone()
     r1[0, T - 1] = 1.0
-    A0, _ = tb_gae(r0, V, mask_t, turn_t, g, l)
-    A1, _ = tb_gae(r1, V, mask_t, turn_t, g, l)
+    A0, _ = form(r0, V, mask_t, turn_t, g, l)
+    A1, _ = form(r1, V, mask_t, turn_t, g, l)
     credit = (A1 - A0)[0]
     for t in range(T):
         if mask[t]:
@@ -334,11 +403,12 @@ def test_attenuation_is_gl_pow_B(n_boundaries, tokens_per_turn, obs_per_turn, g,
             assert credit[t].item() == pytest.approx(expected, abs=1e-12)
 
 
+@each_impl
 @SETTINGS
 @given(batches(max_B=3, max_T=25, arbitrary_obs_ids=False), st.data())
-def test_inserting_observation_tokens_changes_nothing(batch, data):
+def test_inserting_observation_tokens_changes_nothing(impl, batch, data):
     rewards, values, action_mask, turn_ids, g, l = batch
-    A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l)
+    A, R = tb_gae(rewards, values, action_mask, turn_ids, g, l, impl=impl)
     B, T = values.shape
     rows, action_pos = [], []
     for b in range(B):
@@ -373,7 +443,7 @@ def test_inserting_observation_tokens_changes_nothing(batch, data):
         torch.tensor([row["r"] for row in rows], dtype=values.dtype),
         torch.tensor([row["V"] for row in rows], dtype=values.dtype),
         torch.tensor([row["m"] for row in rows]),
-        torch.tensor([row["turn"] for row in rows]), g, l)
+        torch.tensor([row["turn"] for row in rows]), g, l, impl=impl)
     tol = tolerance(rewards, values) + (1e-12 if values.dtype == torch.float64 else 1e-5)
     for b in range(B):
         idx = torch.tensor(action_pos[b])
@@ -381,17 +451,18 @@ def test_inserting_observation_tokens_changes_nothing(batch, data):
         torch.testing.assert_close(R2[b, idx], R[b], atol=tol, rtol=0)
 
 
+@each_form
 @SETTINGS
 @given(
     rewards=st.lists(st.floats(-3, 3), min_size=1, max_size=40), data=st.data(),
     gamma=st.floats(0.0, 1.0), lam=st.floats(0.0, 1.0),
 )
-def test_each_token_its_own_turn_is_standard_gae(rewards, data, gamma, lam):
+def test_each_token_its_own_turn_is_standard_gae(form, rewards, data, gamma, lam):
     T = len(rewards)
     values = data.draw(st.lists(st.floats(-3, 3), min_size=T, max_size=T))
-    A, R = tb_gae(torch.tensor([rewards], dtype=torch.float64),
-                  torch.tensor([values], dtype=torch.float64),
-                  torch.ones(1, T, dtype=torch.bool), torch.arange(T)[None], gamma, lam)
+    A, R = form(torch.tensor([rewards], dtype=torch.float64),
+                torch.tensor([values], dtype=torch.float64),
+                torch.ones(1, T, dtype=torch.bool), torch.arange(T)[None], gamma, lam)
     expected = standard_gae(rewards, values, gamma, lam)
     assert A[0].tolist() == pytest.approx(expected, abs=1e-9)
     assert R[0].tolist() == pytest.approx([a + v for a, v in zip(expected, values)], abs=1e-9)
@@ -442,30 +513,31 @@ def test_reset_at_chunk_edge_errs_by_exactly_gl_pow_B_times_A_n(batch, chunk_siz
 # --------------------------------------------------------------------------- bad input
 
 
-def test_reward_on_observation_raises_with_position():
+@each_form
+def test_reward_on_observation_raises_with_position(form):
     r = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
     mask = torch.tensor([[1, 1, 0, 1]])
-    with pytest.raises(ValueError, match=r"rewards\[0, 2\].*last action token"):
-        tb_gae(r, torch.zeros(1, 4), mask, torch.zeros(1, 4, dtype=torch.long), 1.0, 1.0)
-    with pytest.raises(ValueError, match=r"non-action"):
-        tb_gae_reference(r, torch.zeros(1, 4), mask, torch.zeros(1, 4, dtype=torch.long), 1, 1)
+    with pytest.raises(ValueError, match=r"rewards\[0, 2\].*non-action.*last action token"):
+        form(r, torch.zeros(1, 4), mask, torch.zeros(1, 4, dtype=torch.long), 1.0, 1.0)
 
 
-def test_decreasing_turn_ids_on_actions_raise():
+@each_impl
+def test_decreasing_turn_ids_on_actions_raise(impl):
     mask = torch.tensor([[1, 0, 1, 1]])
     turn = torch.tensor([[2, 0, 3, 1]])
-    with pytest.raises(ValueError, match=r"row 0: position 3 has turn 1"):
-        tb_gae(torch.zeros(1, 4), torch.zeros(1, 4), mask, turn, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"row 0: position 3 has turn 1 after an action of turn 3"):
+        tb_gae(torch.zeros(1, 4), torch.zeros(1, 4), mask, turn, 1.0, 1.0, impl=impl)
 
 
-def test_arbitrary_observation_ids_are_ignored():
+@each_form
+def test_arbitrary_observation_ids_are_ignored(form):
     mask = torch.tensor([[1, 0, 1, 0, 1]])
     ordered = torch.tensor([[0, 0, 1, 1, 1]])
     scrambled = torch.tensor([[0, 99, 1, -7, 1]])
     r = torch.tensor([[0, 0, 0, 0, 1.0]])
     V = torch.tensor([[0.3, 5, 0.2, 5, 0.1]])
-    assert all(torch.equal(x, y) for x, y in zip(tb_gae(r, V, mask, ordered, 0.9, 0.9),
-                                                 tb_gae(r, V, mask, scrambled, 0.9, 0.9)))
+    assert all(torch.equal(x, y) for x, y in zip(form(r, V, mask, ordered, 0.9, 0.9),
+                                                 form(r, V, mask, scrambled, 0.9, 0.9)))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -473,24 +545,28 @@ def test_arbitrary_observation_ids_are_ignored():
     (dict(lam_turn=-0.1), "lam_turn=-0.1"),
     (dict(lam_turn=math.nan), "lam_turn=nan"),
 ])
-def test_bad_scalars_raise(kwargs, match):
+@each_form
+def test_bad_scalars_raise(form, kwargs, match):
     args = dict(gamma_turn=1.0, lam_turn=1.0) | kwargs
     with pytest.raises(ValueError, match=match):
-        tb_gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
-               torch.zeros(1, 2, dtype=torch.long), **args)
+        form(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
+             torch.zeros(1, 2, dtype=torch.long), **args)
 
 
-def test_bad_shapes_and_dtypes_raise():
+@each_form
+def test_bad_shapes_and_dtypes_raise(form):
     z = torch.zeros(1, 3)
     turn = torch.zeros(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="action_mask has shape"):
-        tb_gae(z, z, torch.ones(1, 2), turn, 1, 1)
+        form(z, z, torch.ones(1, 2), turn, 1, 1)
     with pytest.raises(ValueError, match="turn_ids.long"):
-        tb_gae(z, z, torch.ones(1, 3), z, 1, 1)
+        form(z, z, torch.ones(1, 3), z, 1, 1)
     with pytest.raises(ValueError, match="float32 or float64"):
-        tb_gae(z, turn, torch.ones(1, 3), turn, 1, 1)
+        form(z, turn, torch.ones(1, 3), turn, 1, 1)
     with pytest.raises(ValueError, match="chunk_size=0"):
         tb_gae_chunked(z, z, torch.ones(1, 3), turn, 1, 1, chunk_size=0)
+    with pytest.raises(ValueError, match="impl='fused'; use one of"):
+        tb_gae(z, z, torch.ones(1, 3), turn, 1, 1, impl="fused")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

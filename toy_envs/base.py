@@ -3,7 +3,7 @@
 A toy task is a short list of *steps* of one family. A step is one instruction sentence with
 a fixed phrasing ("Copy cat.txt to dog.txt."), its canonical commands (one per line: the
 oracle and the pretraining corpus use the same ones), the files it needs in ``/app`` before
-the agent starts, and its checks (one test function each; METHOD.md section 1). Difficulty is
+the agent starts, and its checks (one test function each; docs/method.md section 1). Difficulty is
 the number of canonical commands: easy = 1, medium = 2, hard = 3-4, extreme = 5 or more.
 
 An instance is a pure function of its *key*, ``(family, difficulty, strict, steps)`` with

@@ -8,7 +8,7 @@ environment/, solution/solve.sh, tests/). The agent acts in a persistent shell i
 (bubblewrap: no network, read-only system, unprivileged user, the task's files at /app). When
 it stops, the verifier ends the jail, brings in tests/ (which the agent never saw), runs
 tests/test.sh, and reads the gate S from /logs/verifier/reward.txt and the checks P / C from
-pytest's junit XML (METHOD.md section 1).
+pytest's junit XML (docs/method.md section 1).
 """
 
 import tempfile
@@ -27,11 +27,15 @@ print("instruction:", task.instruction.strip())
 
 # 1. An agent that does nothing fails, and the checks say how far it got.
 with open_sandbox(task) as sb:
-    print("ls /app ->", sb.run("ls", timeout=10).output.split())
-    print("the tests are not there ->", sb.run("ls /tests 2>&1", timeout=10).output.strip())
+    listing = sb.run("ls", timeout=10).output.split()
+    print("ls /app ->", listing)
+    assert listing == []  # this task starts from an empty /app
+    no_tests = sb.run("ls /tests 2>&1", timeout=10)
+    print("the tests are not there ->", no_tests.output.strip())
+    assert no_tests.exit_code != 0 and "No such file" in no_tests.output
     empty = verify(sb, task)
 print(f"do nothing : S={int(empty.success)}  P={empty.passed}/{empty.total}")
-assert not empty.success
+assert not empty.success and 0 <= empty.passed < empty.total
 
 # 2. The oracle's commands, typed one by one into the persistent shell, pass the gate.
 solution = [line for line in (task.path / "solution" / "solve.sh").read_text().splitlines()
@@ -40,9 +44,11 @@ with open_sandbox(task) as sb:
     for command in solution:
         r = sb.run(command, timeout=10)
         print(f"$ {command}   -> exit {r.exit_code}")
+        assert r.exit_code == 0
     oracle = verify(sb, task)
 print(f"oracle     : S={int(oracle.success)}  P={oracle.passed}/{oracle.total}  checks={oracle.checks}")
 assert oracle.success and oracle.passed == oracle.total
+assert all(v == "passed" for v in oracle.checks.values())
 
 # 3. Hostile commands are contained: no network, no writes outside /app, no reward forging.
 with open_sandbox(task) as sb:

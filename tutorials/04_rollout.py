@@ -8,7 +8,7 @@ The policy is a causal LM in a chat format: the prompt (system + instruction), t
 <action the model sampled> <observation the shell returned>. An action holds shell commands in
 a ```bash block, or the completion signal. PPO and TB-GAE train on the *exact* ids that were
 sampled, with the sampler's log-probs, an action_mask (1 on sampled ids) and turn_ids
-(METHOD.md section 3). This script builds an untrained tiny model offline (a byte-level BPE
+(docs/method.md section 3). This script builds an untrained tiny model offline (a byte-level BPE
 trained in a second, a Qwen3 config), rolls it out on four toy tasks, and checks the
 bookkeeping that every trainer in minirsi relies on.
 """
@@ -30,10 +30,16 @@ torch.manual_seed(0)
 tokenizer = build_tokenizer([session_text(s) for s in corpus_sessions(200, seed=0, noise=0.3)], vocab_size=1024)
 model = build_tiny_actor(tokenizer, preset="tiny", seed=0).eval()
 print(f"tiny actor: {count_parameters(model) / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
+assert 0 < count_parameters(model) < 5e6 and len(tokenizer) <= 1024  # the BPE asked for at most 1,024 ids
 
 print("\nThe action format, and what parse_action makes of three replies:")
-for reply in ("```bash\nmkdir gold\n```", "TASK_COMPLETE", "I think we should make a directory."):
-    print(f"  {reply!r:45} -> {actions.parse_action(reply)}")
+replies = {"```bash\nmkdir gold\n```": (["mkdir gold"], False, False),  # (commands, done, is an error)
+           "TASK_COMPLETE": ([], True, False),
+           "I think we should make a directory.": ([], False, True)}
+for reply, expected in replies.items():
+    parsed = actions.parse_action(reply)
+    print(f"  {reply!r:45} -> {parsed}")
+    assert (parsed.commands, parsed.done, parsed.error is not None) == expected
 
 out = Path(tempfile.mkdtemp(prefix="minirsi-tutorial-"))
 tasks = [load_task(p) for p in toy_envs.generate_suite("core", out, n=4, seed=0)]
@@ -43,6 +49,8 @@ episodes = collect(tasks, HFSampler(model, tokenizer), tokenizer, cfg, progress=
 ep = episodes[0]
 print(f"\nepisode of {ep.task_id}: {ep.turns} turns, stop={ep.stop_reason}, S={int(ep.success)} "
       f"P={ep.passed}/{ep.total}, {len(ep.token_ids)} tokens")
+assert 1 <= ep.turns <= cfg.max_turns and len(ep.token_ids) <= cfg.max_context_tokens
+assert ep.stop_reason in ("done", "max_turns", "timeout", "context", "sandbox_error") and 0 <= ep.passed <= ep.total
 kind = {0: ".", 1: "A"}
 print("action_mask (A = sampled, . = prompt/observation):")
 print("  " + "".join(kind[m] for m in ep.action_mask))

@@ -59,6 +59,7 @@ for name, curve in curves.items():
     print(f"  critic reads {name}: " + " ".join(f"{p:.2f}" for p in curve[::5]) + f"  final {curve[-1]:.2f}")
 
 aligned, misaligned = curves.values()
+assert all(0 <= p <= 1 for curve in curves.values() for p in curve)
 assert aligned[-1] >= 0.9, "with V before the token, PPO solves the bandit"
 assert misaligned[-1] < 0.5, "with V after the token, the advantage cancels and PPO stalls"
 print("Only the critic's reading position differs; the aligned critic lets PPO learn the bandit.")

@@ -90,6 +90,7 @@ def worker(rank: int, world_size: int, port: int, results: dict) -> None:
     a2, c2 = world.shard(copy.deepcopy(actor)), world.shard(copy.deepcopy(critic))
     q = a2.model.layers[0].self_attn.q_proj.weight
     held = sum(p.to_local().numel() for p in a2.parameters())
+    assert q.to_local().shape[0] == q.shape[0] // world_size and held < sum(p.numel() for p in actor.parameters())
     line = (f"rank {rank}: q_proj.weight is a {type(q).__name__} of full shape {tuple(q.shape)}; this rank holds "
             f"rows {rank * q.shape[0] // world_size}-{(rank + 1) * q.shape[0] // world_size - 1}, local shape "
             f"{tuple(q.to_local().shape)}; {held:,} of the actor's {sum(p.numel() for p in actor.parameters()):,} "
@@ -102,6 +103,7 @@ def worker(rank: int, world_size: int, port: int, results: dict) -> None:
     n_local = sum(int(world.local(trimmed(b, idx))["action_mask"].sum()) for idx in micro)
     n_all = torch.tensor(float(n_local))
     dist.all_reduce(n_all)
+    assert 0 < n_local < int(n_all), "each rank holds some, not all, of the minibatch's action tokens"
 
     # 3. The sharded update, and the one with the wrong normaliser.
     s_actor, s_critic = one_update(a2, c2, world, eps, rewards, cfg)
@@ -135,5 +137,6 @@ if __name__ == "__main__":
           f"{results['critic']:.1e} (float summation order; Adam turns noise on ~0 gradients into ~lr-sized steps)")
     print(f"with each rank dividing by its own token count instead of N / W: the actor differs by "
           f"{results['wrong']:.1e}")
+    assert results["moved"] > 1e-5, "the update moved the actor by more than the sharding tolerance"
     assert results["actor"] <= 1e-5 and results["critic"] <= 1e-5, "the sharded update must equal the one-process one"
     assert results["wrong"] > 10 * max(results["actor"], 1e-7), "a per-rank normaliser gives another update"

@@ -23,7 +23,7 @@ DEFAULT_XML = "/logs/verifier/junit.xml"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "hygiene: bookkeeping check, excluded from P and C (METHOD.md section 1)")
+    config.addinivalue_line("markers", "hygiene: bookkeeping check, excluded from P and C (docs/method.md section 1)")
     # tryfirst: runs before the junitxml plugin's own pytest_configure reads the option.
     if not getattr(config.option, "xmlpath", None) and os.path.isdir(os.path.dirname(DEFAULT_XML)):
         config.option.xmlpath = DEFAULT_XML
