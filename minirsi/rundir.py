@@ -168,10 +168,12 @@ def drop_metrics_of(path: Path, stages: set[str]) -> int:
 
 
 def stage_seed(run_seed: int, name: str) -> int:
+    """A stage's seed from (run seed, stage name): a resumed stage draws what it drew the first time."""
     return int.from_bytes(hashlib.sha256(f"{run_seed}:{name}".encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -220,7 +222,6 @@ def config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} in the run's config.yaml, {b!r} now")
     return out
-
 
 
 @dataclass
