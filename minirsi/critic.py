@@ -1,6 +1,6 @@
 """The critic: a value model carried from stage to stage, its loss, and its warm-up.
 
-METHOD.md sections 4 and 5. The critic is a separate model, an LM backbone (the actor's
+docs/method.md sections 4 and 5. The critic is a separate model, an LM backbone (the actor's
 transformer without its LM head) plus a scalar head, that reads the same token sequence as the
 actor and predicts at every position t a baseline V_t of the episode's reward. Only action
 positions matter: TB-GAE (minirsi/tb_gae.py) reads V at action tokens and skips observation

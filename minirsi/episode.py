@@ -1,6 +1,6 @@
 """One multi-turn episode, exactly as it was sampled, and how episodes become training tensors.
 
-METHOD.md section 3. An episode is the prompt followed by turns; turn k is an action the
+docs/method.md section 3. An episode is the prompt followed by turns; turn k is an action the
 policy generated (token ids exactly as sampled, with the sampler's log-probs) followed by the
 observation the sandbox returned (tokenized by the harness, never by the policy). The training
 sequence is the concatenation of those ids, never a re-tokenisation of the transcript text.
@@ -18,7 +18,7 @@ turn_ids       0 on the prompt and on the first action; action k has k; the obse
 
 The last stored token is always an action token: the observation that answers the final
 action (if any) is dropped from the training sequence, because nothing is learned from it and
-METHOD.md asks every sequence to end on an action (where the reward sits).
+docs/method.md asks every sequence to end on an action (where the reward sits).
 
 Rewards are not stored per token: ``collate`` places one scalar per episode on its last action
 token, which is where TB-GAE expects it.

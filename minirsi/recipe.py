@@ -1,6 +1,6 @@
 """The recipe: Base -> RSR-1 -> Warm-up -> RPR-1 -> RSR-2 -> RPR-2, checkpointed and evaluated.
 
-METHOD.md section 7. One command runs the paper's five retained stages on the toy suites,
+docs/method.md section 7. One command runs the paper's five retained stages on the toy suites,
 each stage with its own learning rates, and evaluates every stage on every suite::
 
     minirsi run                                   # preset toy-cpu, run dir runs/toy-cpu

@@ -1,6 +1,6 @@
 """Recursive Policy-Refine (RPR): PPO on the shell agent with TB-GAE and an inherited critic.
 
-METHOD.md section 6. One RPR step is::
+docs/method.md section 6. One RPR step is::
 
     episodes = rollout(actor, tasks)                      # minirsi.rollout.collect, behind a callable
     r        = FDR or SPR of each episode                 # on its last action token (episode.collate)
@@ -151,7 +151,7 @@ class RPRConfig:
     critic_calibration_updates: int = 4
     """Critic-only steps that open the phase (paper: 4), on fresh rollouts of the frozen actor."""
     reward: str = "spr"
-    """Training reward: "fdr" (P / D_f) or "spr" (S + P / (P + D'_f)); METHOD.md section 2."""
+    """Training reward: "fdr" (P / D_f) or "spr" (S + P / (P + D'_f)); docs/method.md section 2."""
     advantage: str = "tb_gae"
     """Advantage estimator. "tb_gae": TB-GAE (the method). "token_gae": the paper's ablation,
     plain per-token GAE over the action tokens, every action token its own step with gamma 1 and
