@@ -19,7 +19,8 @@ base rootfs when a sandbox opens::
   ``pip`` layer, key = sha256(format, base rootfs, the pip specs of ``uvx -w`` / ``uv pip
   install``): ``pip install --target /opt/minirsi-tools`` for the rootfs's Python. It does not
   depend on the environment, so every task with the standard test.sh shares one (pytest and
-  pytest-json-ctrf: 15 MB).
+  pytest-json-ctrf: 15 MB). When test.sh installs them with ``pip install`` (into the image's
+  Python, in Docker) they are also on the verifier's PYTHONPATH (``Prepared.system_tools``).
   ``apt`` layer (only when test.sh installs packages other than curl), key = sha256(env key,
   the packages), stacked on the env layer.
 
@@ -107,6 +108,9 @@ class ToolSpec:
 
     apt: tuple[str, ...] = ()
     pip: tuple[str, ...] = ()
+    system: bool = False
+    """test.sh installs pip packages into the environment's Python (``pip install``, ``uv pip
+    install``), not only into uvx's throwaway one: every ``python`` it runs afterwards sees them."""
 
     def __bool__(self) -> bool:
         return bool(self.apt or self.pip)
@@ -124,6 +128,9 @@ class Prepared:
     env: dict[str, str] = field(default_factory=dict)
     """The Dockerfile's ENV: set for the agent and the verifier."""
     notes: tuple[str, ...] = ()
+    system_tools: bool = False
+    """The tools are on the verifier's PYTHONPATH (ToolSpec.system): `python -m pytest` after
+    `pip install pytest ...` runs the prepared pytest, as the image's Python would in Docker."""
 
     def lowers(self, verifier: bool = False) -> list[Path]:
         """The layers' upper dirs, top first (the rootfs goes below them)."""
@@ -246,6 +253,7 @@ def read_tool_spec(test_sh: Path) -> ToolSpec:
     ``uv run --with``, ``uv pip install``, ``pip install``); pytest when it runs it via uvx."""
     apt: list[str] = []
     pip: list[str] = []
+    system = False
     for line in _join_continuations(test_sh.read_text(errors="replace")):
         for seg in _segments(line):
             while seg and (re.match(r"[A-Za-z_][A-Za-z0-9_]*=", seg[0]) or seg[0] in _PREFIXES):
@@ -261,10 +269,11 @@ def read_tool_spec(test_sh: Path) -> ToolSpec:
                 pip += _uvx_specs(rest[1:] if rest[:1] == ["run"] else rest[2:], test_sh.parent)
             elif (cmd == "uv" and rest[:2] == ["pip", "install"]) or (cmd in ("pip", "pip3") and rest[:1] == ["install"]):
                 pip += [t for t in rest[2 if cmd == "uv" else 1:] if not t.startswith("-")]
+                system = True
     named = {re.split(r"[=<>!~\[ ;]", s, maxsplit=1)[0].lower() for s in pip if s != "pytest"}
     if "pytest" in named:  # a bare "pytest" (uvx's command) next to a pinned one would conflict
         pip = [s for s in pip if s != "pytest"]
-    return ToolSpec(tuple(sorted(set(apt))), tuple(sorted(set(pip))))
+    return ToolSpec(tuple(sorted(set(apt))), tuple(sorted(set(pip))), system and bool(pip))
 
 
 # --- lookup ----------------------------------------------------------------------------------------
@@ -289,7 +298,7 @@ def find_prepared(task, rootfs: Path) -> Prepared | None:
     pip = _layer(pip_key(rootfs, spec.pip)) if spec.pip else None
     if (spec.apt and apt is None) or (spec.pip and pip is None):
         return None
-    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes))
+    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes), spec.system)
 
 
 # --- building --------------------------------------------------------------------------------------
@@ -550,7 +559,7 @@ def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> 
             pip = _build(pkey, [rootfs], _pip_steps(task.test_script, spec.pip), None, timeout,
                          {"kind": "pip", "pip": spec.pip}, log)
             built = True
-    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes)), built
+    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes), spec.system), built
 
 
 def list_layers() -> list[dict]:

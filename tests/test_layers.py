@@ -107,6 +107,14 @@ def test_tool_spec_variants(tmp_path):
     assert spec.pip == ("httpx", "numpy==2.1.0", "pytest==8.4.1", "requests==2.32.3", "scipy")  # one pytest
 
 
+def test_pip_installed_tools_are_the_system_pythons(tmp_path):
+    sh = tmp_path / "test.sh"
+    sh.write_text("pip install pytest==8.4.1 pytest-json-ctrf==0.3.5 --break-system-packages\n"
+                  "python -m pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n")
+    assert read_tool_spec(sh) == ToolSpec((), ("pytest-json-ctrf==0.3.5", "pytest==8.4.1"), system=True)
+    assert not read_tool_spec(WORD_STATS / "tests" / "test.sh").system  # uvx: a throwaway environment
+
+
 def test_with_requirements_is_read_from_tests(tmp_path):
     (tmp_path / "requirements.txt").write_text("# test deps\nnumpy==2.1.0  # pinned\n-r other.txt\nhttpx\n")
     (tmp_path / "test.sh").write_text("uvx --with-requirements /tests/requirements.txt pytest /tests\n")
@@ -358,6 +366,23 @@ def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
 
 
 @pytest.mark.slow
+def test_python_m_pytest_after_pip_install_runs_the_prepared_tools(tmp_path, layers):
+    # Docker: `pip install` puts pytest and its plugin in the image's Python, so `python -m pytest
+    # --ctrf` works; here the same two specs as the standard test.sh (no new preparation)
+    d = _variant(tmp_path, "python-m", (WORD_STATS / "environment" / "Dockerfile").read_text())
+    (d / "tests" / "test.sh").write_text(
+        "#!/bin/bash\npip install pytest==8.4.1 pytest-json-ctrf==0.3.5 --break-system-packages\ncd /app\n"
+        "python -m pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n"
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    task = load_task(d)
+    prepared, built = prepare(task, default_rootfs())
+    assert not built and prepared.system_tools
+    row = check_task(task, "bwrap")
+    assert row.ok, row.reasons()
+    assert "pytest-8.4.1" in row.oracle.output_tail and row.empty_all_failing
+
+
+@pytest.mark.slow
 def test_a_workdir_missing_from_the_layer_is_named(tmp_path, layers):
     d = _variant(tmp_path, "nowd", "FROM debian:bookworm\nWORKDIR /app\n")
     toml = d / "task.toml"
@@ -399,5 +424,22 @@ def test_test_sh_apt_packages_are_for_the_verifier_only(tmp_path, layers):
         layers[0], default_rootfs()).env_layer.key
     with open_sandbox(task) as sb:
         assert sb.run("command -v sqlite3 || echo absent", timeout=10).output == "absent\n"  # not the agent's
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
+
+
+@pytest.mark.slow
+def test_the_images_pythonpath_reaches_the_verifier(tmp_path, layers):
+    # ENV PYTHONPATH=/opt/lib:$PYTHONPATH in the Dockerfile: Docker's test.sh sees it (the verifier
+    # keeps its own plugin entry first)
+    d = _variant(tmp_path, "pythonpath", "FROM debian:bookworm\nWORKDIR /app\nENV PYTHONPATH=/opt/lib:$PYTHONPATH\n")
+    (d / "tests" / "test_outputs.py").write_text(
+        "import os\n\n\ndef test_image_pythonpath():\n"
+        "    parts = os.environ['PYTHONPATH'].split(':')\n"
+        "    assert '/opt/lib' in parts and parts.index('/opt/minirsi') < parts.index('/opt/lib')\n")
+    task = load_task(d)
+    prepare(task, default_rootfs())
+    with open_sandbox(task) as sb:
+        assert sb.run("echo $PYTHONPATH", timeout=10).output == "/opt/lib:\n"  # the agent's, as in the image
         r = verify(sb, task)
     assert r.success and (r.passed, r.total) == (1, 1), r.output_tail

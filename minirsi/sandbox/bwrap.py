@@ -600,9 +600,16 @@ class BwrapSandbox(ShellSandbox):
             binds = ["--ro-bind", str(tests_dir), "/tests", "--bind", str(logs), "/logs/verifier",
                      "--ro-bind", str(plugin), "/opt/minirsi/minirsi_junit.py"]
             if self.prepared is not None:
+                from minirsi.layers import TOOLS_DIR
+
                 binds += self._shim_binds()
+                # the verifier's own entries first, then the image's ENV PYTHONPATH (Docker keeps
+                # it), then tools test.sh `pip install`ed into the image's Python
+                pythonpath = [env.get("PYTHONPATH"), self.prepared.env.get("PYTHONPATH"),
+                              TOOLS_DIR if self.prepared.system_tools else None]
                 env = {**self.prepared.env, **env, "HOME": "/tmp", "USER": "root", "LOGNAME": "root",
-                       "PATH": f"{SHIM_BIN}:{self.prepared.env.get('PATH', PATH)}"}
+                       "PATH": f"{SHIM_BIN}:{self.prepared.env.get('PATH', PATH)}",
+                       "PYTHONPATH": ":".join(p for p in pythonpath if p is not None)}
             out, code, timed_out = self._oneshot(binds, env, ["/bin/bash", f"/tests/{script}"], timeout,
                                                  verifier=self.prepared is not None)
             files = {p.name: p.read_bytes() for p in logs.iterdir() if p.is_file() and not p.is_symlink()}
