@@ -383,6 +383,21 @@ def test_python_m_pytest_after_pip_install_runs_the_prepared_tools(tmp_path, lay
 
 
 @pytest.mark.slow
+def test_tests_can_build_into_tests_but_not_into_the_task(tmp_path, layers):
+    # Harbor's /tests is a writable copy (a test may `setup.py build_ext --inplace` there)
+    d = _variant(tmp_path, "writable-tests", (WORD_STATS / "environment" / "Dockerfile").read_text())
+    (d / "tests" / "test_outputs.py").write_text(
+        "from pathlib import Path\n\n\ndef test_build_into_tests():\n"
+        "    Path('/tests/build/out.txt').parent.mkdir()\n    Path('/tests/build/out.txt').write_text('x')\n")
+    task = load_task(d)
+    prepare(task, default_rootfs())
+    with open_sandbox(task) as sb:
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
+    assert not (d / "tests" / "build").exists()  # the task's own tests/ is untouched
+
+
+@pytest.mark.slow
 def test_a_workdir_missing_from_the_layer_is_named(tmp_path, layers):
     d = _variant(tmp_path, "nowd", "FROM debian:bookworm\nWORKDIR /app\n")
     toml = d / "task.toml"
