@@ -220,6 +220,15 @@ def _variant(tmp_path: Path, name: str, dockerfile: str) -> Path:
     return d
 
 
+def _prepared_variant(tmp_path: Path, name: str, tests: dict[str, str]):
+    """word-stats (its environment) with other files in tests/, loaded and prepared: (task, prepared, built)."""
+    d = _variant(tmp_path, name, (WORD_STATS / "environment" / "Dockerfile").read_text())
+    for file, text in tests.items():
+        (d / "tests" / file).write_text(text)
+    task = load_task(d)
+    return (task, *prepare(task, default_rootfs()))
+
+
 def _tree_digest(root: Path) -> str:
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in sorted(os.walk(root)):
@@ -354,12 +363,10 @@ def test_check_reports_a_bad_line_once_as_invalid_and_a_failed_run_as_fail(tmp_p
 
 @pytest.mark.slow
 def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
-    d = _variant(tmp_path, "pip-style", (WORD_STATS / "environment" / "Dockerfile").read_text())
-    (d / "tests" / "test.sh").write_text(
+    # same environment layer; pytest==8.4.1 alone is a new tools layer
+    task, _, _ = _prepared_variant(tmp_path, "pip-style", {"test.sh": (
         "#!/bin/bash\nset -e\npip install pytest==8.4.1\ncd /app\nset +e\npytest /tests/test_outputs.py -rA\n"
-        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
-    task = load_task(d)
-    prepare(task, default_rootfs())  # same environment layer; pytest==8.4.1 alone is a new tools layer
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")})
     row = check_task(task, "bwrap")
     assert row.ok, row.reasons()
     assert "pytest-8.4.1" in row.oracle.output_tail and (row.empty.passed, row.empty.total) == (0, 5)
@@ -369,13 +376,10 @@ def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
 def test_python_m_pytest_after_pip_install_runs_the_prepared_tools(tmp_path, layers):
     # Docker: `pip install` puts pytest and its plugin in the image's Python, so `python -m pytest
     # --ctrf` works; here the same two specs as the standard test.sh (no new preparation)
-    d = _variant(tmp_path, "python-m", (WORD_STATS / "environment" / "Dockerfile").read_text())
-    (d / "tests" / "test.sh").write_text(
+    task, prepared, built = _prepared_variant(tmp_path, "python-m", {"test.sh": (
         "#!/bin/bash\npip install pytest==8.4.1 pytest-json-ctrf==0.3.5 --break-system-packages\ncd /app\n"
         "python -m pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n"
-        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
-    task = load_task(d)
-    prepared, built = prepare(task, default_rootfs())
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")})
     assert not built and prepared.system_tools
     row = check_task(task, "bwrap")
     assert row.ok, row.reasons()
@@ -385,16 +389,13 @@ def test_python_m_pytest_after_pip_install_runs_the_prepared_tools(tmp_path, lay
 @pytest.mark.slow
 def test_tests_can_build_into_tests_but_not_into_the_task(tmp_path, layers):
     # Harbor's /tests is a writable copy (a test may `setup.py build_ext --inplace` there)
-    d = _variant(tmp_path, "writable-tests", (WORD_STATS / "environment" / "Dockerfile").read_text())
-    (d / "tests" / "test_outputs.py").write_text(
+    task, _, _ = _prepared_variant(tmp_path, "writable-tests", {"test_outputs.py": (
         "from pathlib import Path\n\n\ndef test_build_into_tests():\n"
-        "    Path('/tests/build/out.txt').parent.mkdir()\n    Path('/tests/build/out.txt').write_text('x')\n")
-    task = load_task(d)
-    prepare(task, default_rootfs())
+        "    Path('/tests/build/out.txt').parent.mkdir()\n    Path('/tests/build/out.txt').write_text('x')\n")})
     with open_sandbox(task) as sb:
         r = verify(sb, task)
     assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
-    assert not (d / "tests" / "build").exists()  # the task's own tests/ is untouched
+    assert not (task.tests_dir / "build").exists()  # the task's own tests/ is untouched
 
 
 @pytest.mark.slow
