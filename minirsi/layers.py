@@ -22,7 +22,7 @@ base rootfs when a sandbox opens::
   pytest-json-ctrf: 15 MB). When test.sh installs them with ``pip install`` (into the image's
   Python, in Docker) they are also on the verifier's PYTHONPATH (``Prepared.system_tools``).
   ``apt`` layer (only when test.sh installs packages other than curl), key = sha256(env key,
-  the packages), stacked on the env layer.
+  the packages), stacked on the env layer; installed with their Recommends, as Docker would.
 
 A layer is built in ``<cache>/<key>.partial-<pid>`` and renamed to ``<cache>/<key>`` when
 complete (``meta.json`` inside), under an flock, so a killed preparation leaves nothing that
@@ -183,7 +183,8 @@ def _hash_environment(root: Path, rootfs: Path) -> str:
 
 
 def apt_key(env_key: str, packages: tuple[str, ...]) -> str:
-    return hashlib.sha256(json.dumps([LAYER_FORMAT, "apt", env_key, packages]).encode()).hexdigest()[:24]
+    # "recommends": layers built before test.sh's packages came with their Recommends are not reused
+    return hashlib.sha256(json.dumps([LAYER_FORMAT, "apt", env_key, packages, "recommends"]).encode()).hexdigest()[:24]
 
 
 def pip_key(rootfs: Path, specs: tuple[str, ...]) -> str:
@@ -514,8 +515,9 @@ def _env_steps(df: Dockerfile, context: Path) -> list[tuple[str, str, dict[str, 
 
 def _apt_steps(where: Path, packages: tuple[str, ...]) -> list[tuple[str, str, dict[str, str], str]]:
     pkgs = " ".join(shlex.quote(p) for p in packages)
+    # with their Recommends, as test.sh's `apt-get install -y gcc` gets them in Docker (libc6-dev)
     return [(f"{where}: apt-get install {pkgs}",
-             f"apt-get update -qq && apt-get install -y -qq --no-install-recommends {pkgs}", {}, "/"),
+             f"apt-get update -qq && apt-get install -y -qq {pkgs}", {}, "/"),
             (f"{where}: clean apt lists and caches", _CLEANUP, {}, "/")]
 
 

@@ -399,6 +399,19 @@ def test_tests_can_build_into_tests_but_not_into_the_task(tmp_path, layers):
 
 
 @pytest.mark.slow
+def test_test_sh_apt_packages_come_with_their_recommends(tmp_path, layers):
+    # Docker's `apt-get install -y gcc` brings libc6-dev (a Recommends); here wget's ca-certificates
+    sh = (WORD_STATS / "tests" / "test.sh").read_text().replace("apt-get install -y curl", "apt-get install -y curl wget")
+    task, prepared, built = _prepared_variant(tmp_path, "recommends", {"test.sh": sh, "test_outputs.py": (
+        "import subprocess\n\n\ndef test_recommended_package_is_there():\n"
+        "    assert subprocess.run(['dpkg', '-s', 'ca-certificates'], capture_output=True).returncode == 0\n")})
+    assert built and prepared.apt_layer is not None
+    with open_sandbox(task) as sb:
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
+
+
+@pytest.mark.slow
 def test_a_workdir_missing_from_the_layer_is_named(tmp_path, layers):
     d = _variant(tmp_path, "nowd", "FROM debian:bookworm\nWORKDIR /app\n")
     toml = d / "task.toml"
