@@ -12,8 +12,8 @@ A task with ``environment/Dockerfile`` runs on its prepared layers (minirsi/laye
 then a read-only overlay of the environment layer over the rootfs, the work directory a fresh
 copy of what the layer holds at the workdir, and the Dockerfile's ENV is set. Its verifier runs
 as uid 0 inside the jail (as Harbor runs test.sh as root; still mapped to the unprivileged
-host uid), with /tests a writable throwaway copy (as Harbor's), over the test tools' layers, with the offline stand-ins of verifier_shims.py first
-on PATH (/opt/minirsi/bin) and HOME=/tmp.
+host uid), with /tests a writable throwaway copy (as Harbor's), over the test tools' layers,
+with the offline stand-ins of verifier_shims.py first on PATH (/opt/minirsi/bin) and HOME=/tmp.
 
 namespaces: user (uid/gid 1000 inside), pid, net (no interface but a down loopback: offline),
 ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and ``solution/`` are never
