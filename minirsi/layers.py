@@ -19,9 +19,10 @@ base rootfs when a sandbox opens::
   ``pip`` layer, key = sha256(format, base rootfs, the pip specs of ``uvx -w`` / ``uv pip
   install``): ``pip install --target /opt/minirsi-tools`` for the rootfs's Python. It does not
   depend on the environment, so every task with the standard test.sh shares one (pytest and
-  pytest-json-ctrf: 15 MB).
+  pytest-json-ctrf: 15 MB). When test.sh installs them with ``pip install`` (into the image's
+  Python, in Docker) they are also on the verifier's PYTHONPATH (``Prepared.system_tools``).
   ``apt`` layer (only when test.sh installs packages other than curl), key = sha256(env key,
-  the packages), stacked on the env layer.
+  the packages), stacked on the env layer; installed with their Recommends, as Docker would.
 
 A layer is built in ``<cache>/<key>.partial-<pid>`` and renamed to ``<cache>/<key>`` when
 complete (``meta.json`` inside), under an flock, so a killed preparation leaves nothing that
@@ -107,6 +108,9 @@ class ToolSpec:
 
     apt: tuple[str, ...] = ()
     pip: tuple[str, ...] = ()
+    system: bool = False
+    """test.sh installs pip packages into the environment's Python (``pip install``, ``uv pip
+    install``), not only into uvx's throwaway one: every ``python`` it runs afterwards sees them."""
 
     def __bool__(self) -> bool:
         return bool(self.apt or self.pip)
@@ -124,6 +128,9 @@ class Prepared:
     env: dict[str, str] = field(default_factory=dict)
     """The Dockerfile's ENV: set for the agent and the verifier."""
     notes: tuple[str, ...] = ()
+    system_tools: bool = False
+    """The tools are on the verifier's PYTHONPATH (ToolSpec.system): `python -m pytest` after
+    `pip install pytest ...` runs the prepared pytest, as the image's Python would in Docker."""
 
     def lowers(self, verifier: bool = False) -> list[Path]:
         """The layers' upper dirs, top first (the rootfs goes below them)."""
@@ -176,7 +183,8 @@ def _hash_environment(root: Path, rootfs: Path) -> str:
 
 
 def apt_key(env_key: str, packages: tuple[str, ...]) -> str:
-    return hashlib.sha256(json.dumps([LAYER_FORMAT, "apt", env_key, packages]).encode()).hexdigest()[:24]
+    # "recommends": layers built before test.sh's packages came with their Recommends are not reused
+    return hashlib.sha256(json.dumps([LAYER_FORMAT, "apt", env_key, packages, "recommends"]).encode()).hexdigest()[:24]
 
 
 def pip_key(rootfs: Path, specs: tuple[str, ...]) -> str:
@@ -246,6 +254,7 @@ def read_tool_spec(test_sh: Path) -> ToolSpec:
     ``uv run --with``, ``uv pip install``, ``pip install``); pytest when it runs it via uvx."""
     apt: list[str] = []
     pip: list[str] = []
+    system = False
     for line in _join_continuations(test_sh.read_text(errors="replace")):
         for seg in _segments(line):
             while seg and (re.match(r"[A-Za-z_][A-Za-z0-9_]*=", seg[0]) or seg[0] in _PREFIXES):
@@ -261,10 +270,11 @@ def read_tool_spec(test_sh: Path) -> ToolSpec:
                 pip += _uvx_specs(rest[1:] if rest[:1] == ["run"] else rest[2:], test_sh.parent)
             elif (cmd == "uv" and rest[:2] == ["pip", "install"]) or (cmd in ("pip", "pip3") and rest[:1] == ["install"]):
                 pip += [t for t in rest[2 if cmd == "uv" else 1:] if not t.startswith("-")]
+                system = True
     named = {re.split(r"[=<>!~\[ ;]", s, maxsplit=1)[0].lower() for s in pip if s != "pytest"}
     if "pytest" in named:  # a bare "pytest" (uvx's command) next to a pinned one would conflict
         pip = [s for s in pip if s != "pytest"]
-    return ToolSpec(tuple(sorted(set(apt))), tuple(sorted(set(pip))))
+    return ToolSpec(tuple(sorted(set(apt))), tuple(sorted(set(pip))), system and bool(pip))
 
 
 # --- lookup ----------------------------------------------------------------------------------------
@@ -289,7 +299,7 @@ def find_prepared(task, rootfs: Path) -> Prepared | None:
     pip = _layer(pip_key(rootfs, spec.pip)) if spec.pip else None
     if (spec.apt and apt is None) or (spec.pip and pip is None):
         return None
-    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes))
+    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes), spec.system)
 
 
 # --- building --------------------------------------------------------------------------------------
@@ -505,8 +515,9 @@ def _env_steps(df: Dockerfile, context: Path) -> list[tuple[str, str, dict[str, 
 
 def _apt_steps(where: Path, packages: tuple[str, ...]) -> list[tuple[str, str, dict[str, str], str]]:
     pkgs = " ".join(shlex.quote(p) for p in packages)
+    # with their Recommends, as test.sh's `apt-get install -y gcc` gets them in Docker (libc6-dev)
     return [(f"{where}: apt-get install {pkgs}",
-             f"apt-get update -qq && apt-get install -y -qq --no-install-recommends {pkgs}", {}, "/"),
+             f"apt-get update -qq && apt-get install -y -qq {pkgs}", {}, "/"),
             (f"{where}: clean apt lists and caches", _CLEANUP, {}, "/")]
 
 
@@ -550,7 +561,7 @@ def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> 
             pip = _build(pkey, [rootfs], _pip_steps(task.test_script, spec.pip), None, timeout,
                          {"kind": "pip", "pip": spec.pip}, log)
             built = True
-    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes)), built
+    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes), spec.system), built
 
 
 def list_layers() -> list[dict]:

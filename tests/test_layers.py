@@ -107,6 +107,14 @@ def test_tool_spec_variants(tmp_path):
     assert spec.pip == ("httpx", "numpy==2.1.0", "pytest==8.4.1", "requests==2.32.3", "scipy")  # one pytest
 
 
+def test_pip_installed_tools_are_the_system_pythons(tmp_path):
+    sh = tmp_path / "test.sh"
+    sh.write_text("pip install pytest==8.4.1 pytest-json-ctrf==0.3.5 --break-system-packages\n"
+                  "python -m pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n")
+    assert read_tool_spec(sh) == ToolSpec((), ("pytest-json-ctrf==0.3.5", "pytest==8.4.1"), system=True)
+    assert not read_tool_spec(WORD_STATS / "tests" / "test.sh").system  # uvx: a throwaway environment
+
+
 def test_with_requirements_is_read_from_tests(tmp_path):
     (tmp_path / "requirements.txt").write_text("# test deps\nnumpy==2.1.0  # pinned\n-r other.txt\nhttpx\n")
     (tmp_path / "test.sh").write_text("uvx --with-requirements /tests/requirements.txt pytest /tests\n")
@@ -210,6 +218,15 @@ def _variant(tmp_path: Path, name: str, dockerfile: str) -> Path:
     shutil.copytree(WORD_STATS, d)
     (d / "environment" / "Dockerfile").write_text(dockerfile)
     return d
+
+
+def _prepared_variant(tmp_path: Path, name: str, tests: dict[str, str]):
+    """word-stats (its environment) with other files in tests/, loaded and prepared: (task, prepared, built)."""
+    d = _variant(tmp_path, name, (WORD_STATS / "environment" / "Dockerfile").read_text())
+    for file, text in tests.items():
+        (d / "tests" / file).write_text(text)
+    task = load_task(d)
+    return (task, *prepare(task, default_rootfs()))
 
 
 def _tree_digest(root: Path) -> str:
@@ -346,15 +363,52 @@ def test_check_reports_a_bad_line_once_as_invalid_and_a_failed_run_as_fail(tmp_p
 
 @pytest.mark.slow
 def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
-    d = _variant(tmp_path, "pip-style", (WORD_STATS / "environment" / "Dockerfile").read_text())
-    (d / "tests" / "test.sh").write_text(
+    # same environment layer; pytest==8.4.1 alone is a new tools layer
+    task, _, _ = _prepared_variant(tmp_path, "pip-style", {"test.sh": (
         "#!/bin/bash\nset -e\npip install pytest==8.4.1\ncd /app\nset +e\npytest /tests/test_outputs.py -rA\n"
-        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
-    task = load_task(d)
-    prepare(task, default_rootfs())  # same environment layer; pytest==8.4.1 alone is a new tools layer
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")})
     row = check_task(task, "bwrap")
     assert row.ok, row.reasons()
     assert "pytest-8.4.1" in row.oracle.output_tail and (row.empty.passed, row.empty.total) == (0, 5)
+
+
+@pytest.mark.slow
+def test_python_m_pytest_after_pip_install_runs_the_prepared_tools(tmp_path, layers):
+    # Docker: `pip install` puts pytest and its plugin in the image's Python, so `python -m pytest
+    # --ctrf` works; here the same two specs as the standard test.sh (no new preparation)
+    task, prepared, built = _prepared_variant(tmp_path, "python-m", {"test.sh": (
+        "#!/bin/bash\npip install pytest==8.4.1 pytest-json-ctrf==0.3.5 --break-system-packages\ncd /app\n"
+        "python -m pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n"
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")})
+    assert not built and prepared.system_tools
+    row = check_task(task, "bwrap")
+    assert row.ok, row.reasons()
+    assert "pytest-8.4.1" in row.oracle.output_tail and row.empty_all_failing
+
+
+@pytest.mark.slow
+def test_tests_can_build_into_tests_but_not_into_the_task(tmp_path, layers):
+    # Harbor's /tests is a writable copy (a test may `setup.py build_ext --inplace` there)
+    task, _, _ = _prepared_variant(tmp_path, "writable-tests", {"test_outputs.py": (
+        "from pathlib import Path\n\n\ndef test_build_into_tests():\n"
+        "    Path('/tests/build/out.txt').parent.mkdir()\n    Path('/tests/build/out.txt').write_text('x')\n")})
+    with open_sandbox(task) as sb:
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
+    assert not (task.tests_dir / "build").exists()  # the task's own tests/ is untouched
+
+
+@pytest.mark.slow
+def test_test_sh_apt_packages_come_with_their_recommends(tmp_path, layers):
+    # Docker's `apt-get install -y gcc` brings libc6-dev (a Recommends); here wget's ca-certificates
+    sh = (WORD_STATS / "tests" / "test.sh").read_text().replace("apt-get install -y curl", "apt-get install -y curl wget")
+    task, prepared, built = _prepared_variant(tmp_path, "recommends", {"test.sh": sh, "test_outputs.py": (
+        "import subprocess\n\n\ndef test_recommended_package_is_there():\n"
+        "    assert subprocess.run(['dpkg', '-s', 'ca-certificates'], capture_output=True).returncode == 0\n")})
+    assert built and prepared.apt_layer is not None
+    with open_sandbox(task) as sb:
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
 
 
 @pytest.mark.slow
@@ -399,5 +453,22 @@ def test_test_sh_apt_packages_are_for_the_verifier_only(tmp_path, layers):
         layers[0], default_rootfs()).env_layer.key
     with open_sandbox(task) as sb:
         assert sb.run("command -v sqlite3 || echo absent", timeout=10).output == "absent\n"  # not the agent's
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
+
+
+@pytest.mark.slow
+def test_the_images_pythonpath_reaches_the_verifier(tmp_path, layers):
+    # ENV PYTHONPATH=/opt/lib:$PYTHONPATH in the Dockerfile: Docker's test.sh sees it (the verifier
+    # keeps its own plugin entry first)
+    d = _variant(tmp_path, "pythonpath", "FROM debian:bookworm\nWORKDIR /app\nENV PYTHONPATH=/opt/lib:$PYTHONPATH\n")
+    (d / "tests" / "test_outputs.py").write_text(
+        "import os\n\n\ndef test_image_pythonpath():\n"
+        "    parts = os.environ['PYTHONPATH'].split(':')\n"
+        "    assert '/opt/lib' in parts and parts.index('/opt/minirsi') < parts.index('/opt/lib')\n")
+    task = load_task(d)
+    prepare(task, default_rootfs())
+    with open_sandbox(task) as sb:
+        assert sb.run("echo $PYTHONPATH", timeout=10).output == "/opt/lib:\n"  # the agent's, as in the image
         r = verify(sb, task)
     assert r.success and (r.passed, r.total) == (1, 1), r.output_tail

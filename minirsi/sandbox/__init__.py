@@ -85,9 +85,10 @@ class Sandbox(Protocol):
         """Kill every agent process; afterwards `run` raises SandboxError."""
 
     def run_verifier(self, tests_dir: "Path", script: str, plugin: "Path", env: dict[str, str], timeout: float) -> TestRun:
-        """Run `bash /tests/<script>` offline with `tests_dir` at /tests (read-only), the work
-        directory as the agent left it, a fresh /tmp and a fresh empty /logs/verifier; the pytest
-        plugin file at /opt/minirsi/minirsi_junit.py with PYTEST_PLUGINS=minirsi_junit."""
+        """Run `bash /tests/<script>` offline with `tests_dir` at /tests (read-only; on a prepared
+        layer writable, as Harbor's /tests: pass a copy), the work directory as the agent left
+        it, a fresh /tmp and a fresh empty /logs/verifier; the pytest plugin file at
+        /opt/minirsi/minirsi_junit.py with PYTEST_PLUGINS=minirsi_junit."""
 
 
 def open_sandbox(task: "Task", backend: str = "bwrap", **limits: Any) -> Sandbox:

@@ -12,8 +12,8 @@ A task with ``environment/Dockerfile`` runs on its prepared layers (minirsi/laye
 then a read-only overlay of the environment layer over the rootfs, the work directory a fresh
 copy of what the layer holds at the workdir, and the Dockerfile's ENV is set. Its verifier runs
 as uid 0 inside the jail (as Harbor runs test.sh as root; still mapped to the unprivileged
-host uid), over the test tools' layers, with the offline stand-ins of verifier_shims.py first
-on PATH (/opt/minirsi/bin) and HOME=/tmp.
+host uid), with /tests a writable throwaway copy (as Harbor's), over the test tools' layers,
+with the offline stand-ins of verifier_shims.py first on PATH (/opt/minirsi/bin) and HOME=/tmp.
 
 namespaces: user (uid/gid 1000 inside), pid, net (no interface but a down loopback: offline),
 ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and ``solution/`` are never
@@ -597,12 +597,27 @@ class BwrapSandbox(ShellSandbox):
             logs.mkdir()
             if self._as_root:
                 os.chown(logs, self.host_uid, self.host_uid)
-            binds = ["--ro-bind", str(tests_dir), "/tests", "--bind", str(logs), "/logs/verifier",
+            tests_bind = "--ro-bind"
+            if self.prepared is not None:
+                # as in Harbor, whose /tests is a writable copy: a test may build into it
+                # (`setup.py build_ext --inplace`); tests_dir is verify()'s throwaway copy
+                tests_bind = "--bind"
+                if self._as_root:
+                    for path in [tests_dir, *tests_dir.rglob("*")]:
+                        os.chown(path, self.host_uid, self.host_uid, follow_symlinks=False)
+            binds = [tests_bind, str(tests_dir), "/tests", "--bind", str(logs), "/logs/verifier",
                      "--ro-bind", str(plugin), "/opt/minirsi/minirsi_junit.py"]
             if self.prepared is not None:
+                from minirsi.layers import TOOLS_DIR
+
                 binds += self._shim_binds()
+                # the verifier's own entries first, then the image's ENV PYTHONPATH (Docker keeps
+                # it), then tools test.sh `pip install`ed into the image's Python
+                pythonpath = [env.get("PYTHONPATH"), self.prepared.env.get("PYTHONPATH"),
+                              TOOLS_DIR if self.prepared.system_tools else None]
                 env = {**self.prepared.env, **env, "HOME": "/tmp", "USER": "root", "LOGNAME": "root",
-                       "PATH": f"{SHIM_BIN}:{self.prepared.env.get('PATH', PATH)}"}
+                       "PATH": f"{SHIM_BIN}:{self.prepared.env.get('PATH', PATH)}",
+                       "PYTHONPATH": ":".join(p for p in pythonpath if p is not None)}
             out, code, timed_out = self._oneshot(binds, env, ["/bin/bash", f"/tests/{script}"], timeout,
                                                  verifier=self.prepared is not None)
             files = {p.name: p.read_bytes() for p in logs.iterdir() if p.is_file() and not p.is_symlink()}

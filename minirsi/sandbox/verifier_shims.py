@@ -31,7 +31,9 @@ task's tools layer (minirsi/layers.py: apt packages into the layer, pip packages
 - ``sudo [-E] [-n] [-H] CMD ARGS``: runs CMD (the verifier is already root in its jail); other
   sudo options exit 1.
 - ``pip`` / ``pip3 install SPEC...`` (a test.sh that installs its test tools with pip): succeeds
-  if every SPEC is prepared, else exits 1; other pip commands run the layer's own pip.
+  if every SPEC is prepared, else exits 1; other pip commands run the layer's own pip. As in
+  Docker, where they land in the image's Python, such a test.sh's tools are on the verifier's
+  PYTHONPATH (``python -m pytest --ctrf ...`` runs the prepared pytest and its plugins).
 - ``pytest ARGS``: the prepared pytest when test.sh's tools include one, else the layer's own.
 
 Run as ``python3 -I verifier_shims.py <command> ARGS``; stdlib only (it runs on the layer's
