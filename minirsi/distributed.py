@@ -38,7 +38,18 @@ rank 0 from the saved checkpoint):
 at scale the sampler is a vLLM server fleet with one client, and a single collector keeps the
 episodes, hence the update, identical to a one-process run with the same seeds. Checkpoints are
 gathered to full state dicts and written by rank 0 with ``save_pretrained``, so they load at any
-world size.
+world size. When inference servers sample (``rollout_fn(..., gather=False)``) rank 0 keeps no
+unsharded copy (``shard``/``load_sharded`` with ``keep_unsharded=False``): it keeps a weightless
+skeleton (``meta_copy``) and each weight push or save gathers the full weights to its host memory
+and fills a transient model with them (``filled``), freed after use.
+
+Loading (``load_sharded``): rank 0 alone reads a checkpoint with ``from_pretrained``; every other
+rank builds the same architecture from its config on the meta device (no memory), all ranks
+``fully_shard`` and allocate their shards, and rank 0's weights are broadcast tensor by tensor,
+each rank keeping its slice (``set_model_state_dict(full_state_dict=True,
+broadcast_from_rank0=True)``); non-persistent buffers (RoPE's ``inv_freq``, in no state dict)
+are broadcast from rank 0's model. A rank other than 0 never holds more than its shards plus
+one full tensor; bench/sharded_load.py measures it.
 
 Launch::
 
