@@ -16,15 +16,17 @@ downloaded), then, each in a fresh pair of processes, shards it three ways:
   gather for a weight push (``World.unsharded``, what ``_sharded_push`` hands to ``WeightSync``).
 
 Prints, per rank, in MB: RSS after imports and ``init`` (the baseline), peak RSS (``VmHWM``)
-and RSS after loading; for the push, the peak during it (``VmHWM`` reset just before) and RSS
-after it; then the ratios of the peak increases over the baseline. The load's result is
-checked, not just its memory: rank 0 prints the largest difference between the gathered
-shards and the saved weights (0 is right).
+and RSS after loading; for the push, the peak during it (``VmHWM`` reset just before), RSS after
+it, after a second push, and after ``malloc_trim`` (glibc keeps freed blocks under its mmap
+threshold, up to 32 MB, for reuse; larger tensors go back at once); then the ratios of the peak
+increases over the baseline. The load's result is checked, not just its memory: rank 0 prints
+the largest difference between the gathered shards and the saved weights (0 is right).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import socket
 import sys
@@ -81,8 +83,13 @@ def worker(rank: int, port: int, mode: str, ckpt: str, out: dict) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS, so the push's own peak shows
         plain = world.unsharded(actor)  # the gather of one push; freed when dropped
         record["push_peak"] = rss_mb()["VmHWM"]
+        record["push_params"] = sum(p.numel() for p in plain.parameters()) if plain is not None else 0
         del plain
         record["after_push"] = rss_mb()["VmRSS"]
+        world.unsharded(actor)  # a second push, dropped at once: freed memory is reused, nothing accumulates
+        record["after_push2"] = rss_mb()["VmRSS"]
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # what glibc keeps of freed small blocks goes back
+        record["trimmed"] = rss_mb()["VmRSS"]
     state = world.full_state_dict(actor)
     if world.is_main:
         saved = load_actor(ckpt)[0].state_dict()
@@ -112,11 +119,12 @@ def main() -> None:
         for mode in MODES:
             mp.spawn(worker, args=(free_port(), mode, str(Path(tmp) / "actor"), out), nprocs=2, join=True)
     print(f"{'path':24} {'rank':>4} {'baseline':>9} {'peak':>7} {'+peak':>7} {'after':>7} {'push peak':>10} "
-          f"{'after push':>11}")
+          f"{'after push':>11} {'after 2nd':>10} {'trimmed':>8}")
     for mode in MODES:
         for rank in (0, 1):
             r = out[(mode, rank)]
-            push = f"{r['push_peak']:10.0f} {r['after_push']:11.0f}" if "push_peak" in r else ""
+            push = (f"{r['push_peak']:10.0f} {r['after_push']:11.0f} {r['after_push2']:10.0f} {r['trimmed']:8.0f}"
+                    if "push_peak" in r else "")
             print(f"{mode:24} {rank:4d} {r['baseline']:9.0f} {r['peak']:7.0f} {r['peak'] - r['baseline']:7.0f} "
                   f"{r['after']:7.0f} {push}")
     grow = {m: out[(m, 1)]["peak"] - out[(m, 1)]["baseline"] for m in MODES}
