@@ -459,11 +459,11 @@ def filled(skeleton: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     for name, p in plain.named_parameters(remove_duplicate=False):
         tied.setdefault(id(p), []).append(name)
     result = plain.load_state_dict(state, strict=False, assign=True)  # assign: one parameter per name
-    for names in tied.values():  # tie them again
-        have = [n for n in names if n in state]
-        for n in names[1:] if have else ():
+    for names in tied.values():  # tie them again, to the first name the state holds
+        source = next((n for n in names if n in state), None)
+        for n in names if source is not None else ():
             owner, _, leaf = n.rpartition(".")
-            setattr(plain.get_submodule(owner), leaf, plain.get_parameter(have[0]))
+            setattr(plain.get_submodule(owner), leaf, plain.get_parameter(source))
     empty = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
     if empty or result.unexpected_keys:
         raise RuntimeError(f"gathered weights do not fill the model: no weights for {empty[:3]}, "

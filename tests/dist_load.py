@@ -68,6 +68,9 @@ def main() -> None:
         result["lora_state"] = max_abs_diff(d, {k: ref[k] for k in d})
         trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
         result["lora_trainable_not_lora"] = float(not trainable or any("lora_" not in n for n in trainable))
+    ref, _ = load_actor_sharded(actor_dir, world, keep_unsharded=False, frozen=True)  # the KL reference
+    result["reference_state"] = state_diff(world, ref, plain)
+    result["reference_not_frozen"] = world.all_sum(float(ref.training or any(p.requires_grad for p in ref.parameters())))
     ac = dataclasses.replace(world, activation_checkpointing=True, shadows={}, skeletons={})
     wrapped, _ = load_actor_sharded(actor_dir, ac)
     result["checkpointed_state"] = state_diff(ac, wrapped, plain)

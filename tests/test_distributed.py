@@ -142,6 +142,9 @@ def test_meta_copy_holds_no_weights_and_filled_restores_them():
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
     assert all(p.is_meta for p in skeleton.parameters())  # the skeleton is reused for the next push
+    only_head = {k: v for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
+    tied = filled(skeleton, only_head)  # either name of a tied pair fills both
+    assert tied.model.embed_tokens.weight is tied.lm_head.weight
     del state["model.norm.weight"]
     with pytest.raises(RuntimeError, match="model.norm.weight"):
         filled(skeleton, state)
@@ -151,8 +154,8 @@ def test_meta_copy_holds_no_weights_and_filled_restores_them():
 def test_load_sharded_equals_from_pretrained(tmp_path):
     """Rank 0 loads, rank 1 builds on the meta device, the weights are broadcast to the shards:
     gathered, every parameter equals a one-process from_pretrained bit for bit and every rank's
-    buffers (RoPE's inv_freq: in no state dict) equal too, for the actor (plain, LoRA, with
-    activation checkpointing) and for the critic (saved, or built from the actor's checkpoint);
+    buffers (RoPE's inv_freq: in no state dict) equal too, for the actor (plain, LoRA, frozen as
+    the KL reference, with activation checkpointing) and for the critic (saved, or built from the actor's checkpoint);
     a PPO update after it equals the update after the every-rank load; and an actor sharded
     with no unsharded copy (servers sample) is gathered whole for a push and a save."""
     root = _checkpoints(tmp_path / "ckpt")
@@ -161,8 +164,9 @@ def test_load_sharded_equals_from_pretrained(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["world_size"] == 2
-    for key in ("actor", "lora", "checkpointed", "critic", "built_critic"):
+    for key in ("actor", "lora", "reference", "checkpointed", "critic", "built_critic"):
         assert r[f"{key}_state"] == 0.0, key
+    assert r["reference_not_frozen"] == 0.0
     for key in ("actor", "checkpointed", "critic", "built_critic"):
         assert r[f"{key}_buffers"] == 0.0, key
     assert r["actor_training"] == r["critic_training"] == r["built_critic_training"] == 0.0  # eval/train as loaded
