@@ -64,7 +64,7 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from minirsi.distributed import SINGLE, World
 from minirsi.episode import Episode, collate, forward_by_length, masked_mean, minibatches
@@ -219,6 +219,34 @@ def load_critic(path: str | Path) -> ValueModel:
     if "fingerprint" in meta and fingerprint(critic) != meta["fingerprint"]:
         raise ValueError(f"load_critic: weights in {path} do not match critic.json's fingerprint (corrupt copy?)")
     return critic
+
+
+def critic_skeleton(path: str | Path) -> ValueModel:
+    """The critic ``load_critic(path)`` (a critic directory) or ``build_critic(path)`` (an actor
+    checkpoint directory) returns, without its weights: built from the config alone, so under
+    ``torch.device("meta")`` (as ``World.load_sharded`` calls it) it takes no memory."""
+    path = Path(path)
+    if (path / "critic.json").is_file():
+        config = AutoConfig.from_pretrained(str(path / "backbone"))
+        hidden = int(json.loads((path / "critic.json").read_text())["hidden_size"])
+    elif (path / "config.json").is_file():
+        config = AutoConfig.from_pretrained(str(path))
+        hidden = config.hidden_size
+    else:
+        raise ValueError(f"critic_skeleton: {path} has neither critic.json (a saved critic) nor config.json "
+                         "(an actor checkpoint); pass the directory the critic is loaded or built from")
+    backbone = AutoModel.from_config(config, dtype=torch.float32)
+    return ValueModel(backbone, hidden).requires_grad_(True)
+
+
+def load_critic_sharded(path: str | Path, world: "World") -> ValueModel:
+    """``load_critic(path)`` for a saved critic, ``build_critic(path)`` for an actor checkpoint,
+    sharded over ``world`` by ``World.load_sharded`` (rank 0 reads, the others build
+    ``critic_skeleton`` on the meta device). Rank 0 keeps no unsharded copy: the critic is only
+    gathered to be saved. At world size 1, the loaded critic itself."""
+    path = Path(path)
+    load = (lambda: load_critic(path)) if (path / "critic.json").is_file() else (lambda: build_critic(path))
+    return world.load_sharded(load, lambda: critic_skeleton(path), keep_unsharded=False)
 
 
 def fingerprint(module: nn.Module) -> str:

@@ -38,7 +38,18 @@ rank 0 from the saved checkpoint):
 at scale the sampler is a vLLM server fleet with one client, and a single collector keeps the
 episodes, hence the update, identical to a one-process run with the same seeds. Checkpoints are
 gathered to full state dicts and written by rank 0 with ``save_pretrained``, so they load at any
-world size.
+world size. When inference servers sample (``rollout_fn(..., gather=False)``) rank 0 keeps no
+unsharded copy (``shard``/``load_sharded`` with ``keep_unsharded=False``): it keeps a weightless
+skeleton (``meta_copy``) and each weight push or save gathers the full weights to its host memory
+and fills a transient model with them (``filled``), freed after use.
+
+Loading (``load_sharded``): rank 0 alone reads a checkpoint with ``from_pretrained``; every other
+rank builds the same architecture from its config on the meta device (no memory), all ranks
+``fully_shard`` and allocate their shards, and rank 0's weights are broadcast tensor by tensor,
+each rank keeping its slice (``set_model_state_dict(full_state_dict=True,
+broadcast_from_rank0=True)``); non-persistent buffers (RoPE's ``inv_freq``, in no state dict)
+are broadcast from rank 0's model. A rank other than 0 never holds more than its shards plus
+one full tensor; bench/sharded_load.py measures it.
 
 Launch::
 
@@ -78,6 +89,9 @@ class World:
     """Recompute each decoder layer in backward instead of keeping its activations."""
     shadows: dict[int, nn.Module] = field(default_factory=dict, repr=False)
     """Rank 0: id(sharded model) -> its unsharded copy for sampling."""
+    skeletons: dict[int, nn.Module] = field(default_factory=dict, repr=False)
+    """Rank 0: id(sharded model) -> its weightless copy (meta parameters, real buffers), for a
+    model sharded without an unsharded copy; ``unsharded`` fills a copy of it for each use."""
 
     @property
     def is_main(self) -> bool:
@@ -140,17 +154,94 @@ class World:
         """FSDP2 over every rank: each decoder layer, then the root (identity at world size 1).
 
         ``keep_unsharded``: rank 0 keeps a plain copy in host memory, which ``unsharded`` refreshes
-        for sampling and saving (one model's CPU memory on rank 0: the price of saving and sampling
-        with the model's own code, ``save_pretrained`` and ``generate``)."""
+        for sampling and saving (one model's CPU memory on rank 0: the price of sampling with the
+        model's own ``generate``). Without it rank 0 keeps a weightless skeleton (meta tensors)
+        and ``unsharded`` builds a transient plain model from the gathered weights instead."""
         if self.size == 1:
             return model
-        if keep_unsharded and self.is_main:
-            shadow = copy.deepcopy(model).eval().requires_grad_(False).to("cpu")  # host memory, not the GPU
+        if self.is_main:
+            plain = copy.deepcopy(model).eval().requires_grad_(False).to("cpu") if keep_unsharded else None
+            skeleton = None if keep_unsharded else meta_copy(model)
         fsdp2(model, bf16=str(self.device).startswith("cuda"), reshard_after_forward=self.reshard_after_forward,
               activation_checkpointing=self.activation_checkpointing)
-        if keep_unsharded and self.is_main:
-            self.shadows[id(model)] = shadow
+        if self.is_main:
+            self._remember(model, plain, skeleton)
         return model
+
+    def load_sharded(self, load: Callable[[], nn.Module], build: Callable[[], nn.Module],
+                     keep_unsharded: bool = True) -> nn.Module:
+        """A checkpoint loaded straight into shards: ``load()`` (``from_pretrained``) on rank 0
+        alone, ``build()`` (the same architecture from its config) under
+        ``torch.device("meta")`` on every rank, ``fully_shard``, each shard allocated on
+        ``self.device``, then rank 0's weights broadcast tensor by tensor
+        (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``), each rank
+        keeping its slice. Non-persistent buffers (RoPE's ``inv_freq``: not in a state dict,
+        garbage after allocation) are broadcast from rank 0's loaded model. Host memory: rank 0
+        one full model (the loaded one, kept as the ``unsharded`` copy when ``keep_unsharded``,
+        else freed), every other rank one full tensor at a time. ``load()`` itself at world
+        size 1 (today's path).
+
+        ``build()`` must give ``load()``'s parameters (names, shapes, dtypes, requires_grad):
+        checked on every rank before any weight moves."""
+        if self.size == 1:
+            return load()
+        full, failure = None, None
+        if self.is_main:
+            try:
+                full = load()
+            except Exception as e:  # handed to every rank below, so none waits at a collective
+                failure = e
+        failed = self.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if failed:
+            raise RuntimeError(f"load_sharded: rank 0 could not load the model ({failed})")
+        with torch.device("meta"):
+            model = build()
+        self._match_layout(model, full)
+        fsdp2(model, bf16=str(self.device).startswith("cuda"), reshard_after_forward=self.reshard_after_forward,
+              activation_checkpointing=self.activation_checkpointing)
+        model.to_empty(device=self.device)  # this rank's shards, uninitialised
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, full.state_dict() if self.is_main else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        source = dict(full.named_buffers()) if self.is_main else {}
+        with torch.no_grad():
+            for name, buf in model.named_buffers():  # FSDP2 leaves buffers whole on every rank
+                if self.is_main:
+                    buf.copy_(source[_plain_key(name)])
+                dist.broadcast(buf, src=0)
+        if self.is_main:
+            if keep_unsharded:
+                self._remember(model, full.eval().requires_grad_(False).to("cpu"), None)
+            else:
+                self._remember(model, None, meta_copy(full))
+        del full
+        return model
+
+    def _match_layout(self, model: nn.Module, full: nn.Module | None) -> None:
+        """Refuse a ``build()`` that differs from rank 0's ``load()`` (on every rank at once),
+        then copy rank 0's train/eval flags (``from_pretrained`` returns eval mode)."""
+        def layout(m: nn.Module) -> list:
+            return [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in m.named_parameters()]
+
+        want = self.broadcast((layout(full), [m.training for m in full.modules()]) if self.is_main else None)
+        have = layout(model)
+        diff = next(((a, b) for a, b in zip(want[0], have) if a != b), None)
+        if diff is None and len(want[0]) != len(have):
+            diff = (want[0][len(have):][:1], have[len(want[0]):][:1])
+        if self.all_sum(float(diff is not None or len(want[1]) != len(list(model.modules())))):
+            raise ValueError(f"load_sharded: build() does not give load()'s architecture on rank {self.rank} "
+                             f"(loaded vs built: {diff}); build it from the same config, dtype and LoRA settings")
+        for m, training in zip(model.modules(), want[1]):
+            m.training = training
+
+    def _remember(self, model: nn.Module, plain: nn.Module | None, skeleton: nn.Module | None) -> None:
+        if plain is not None:
+            self.shadows[id(model)] = plain
+        else:
+            self.skeletons[id(model)] = skeleton
 
     # -- whole models ------------------------------------------------------------------------
 
@@ -163,15 +254,20 @@ class World:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def unsharded(self, model: nn.Module) -> nn.Module | None:
-        """Rank 0: the plain copy of a sharded ``model`` with its current weights (None on other
-        ranks); the model itself at world size 1. Every rank must call it (it gathers)."""
+        """Rank 0: a plain model with the sharded ``model``'s current weights (None on other
+        ranks); the model itself at world size 1. Every rank must call it (it gathers). The kept
+        copy when ``model`` was sharded with ``keep_unsharded``; otherwise a new model built on
+        the gathered weights (no copy of them), freed when the caller drops it."""
         if self.size == 1:
             return model
         state = self.full_state_dict(model)
         if not self.is_main:
             return None
+        state = {_plain_key(k): v for k, v in state.items()}
+        if id(model) in self.skeletons:
+            return filled(self.skeletons[id(model)], state)
         shadow = self.shadows[id(model)]
-        result = shadow.load_state_dict({_plain_key(k): v for k, v in state.items()}, strict=False)
+        result = shadow.load_state_dict(state, strict=False)
         own = shadow.state_dict()
         loaded = {own[k].data_ptr() for k in own if k not in result.missing_keys}
         stale = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]  # tied weights came along
@@ -231,13 +327,17 @@ class World:
             return fn()
         return self.broadcast(fn() if self.is_main else None)
 
-    def rollout_fn(self, rollout_fn: Callable[[nn.Module, Sequence[Any], int], list]) -> Callable:
-        """``rollout_fn`` run by rank 0 on the unsharded weights; the episodes go to every rank."""
+    def rollout_fn(self, rollout_fn: Callable[[nn.Module, Sequence[Any], int], list],
+                   gather: bool = True) -> Callable:
+        """``rollout_fn`` run by rank 0 on the unsharded weights; the episodes go to every rank.
+        ``gather=False`` when the sampler does not run the actor (inference servers, which get
+        the weights by their own push): rank 0 passes the sharded actor, unread, and nothing is
+        gathered."""
         if self.size == 1:
             return rollout_fn
 
         def fn(actor: nn.Module, tasks: Sequence[Any], seed: int) -> list:
-            plain = self.unsharded(actor)
+            plain = self.unsharded(actor) if gather else actor
             return self.on_main(lambda: rollout_fn(plain, tasks, seed))
 
         return fn
@@ -338,6 +438,37 @@ def _plain_key(key: str) -> str:
     return key.replace("_checkpoint_wrapped_module.", "")
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters are meta tensors (no memory) and whose buffers are
+    real copies (small; RoPE's ``inv_freq`` is in no state dict), in eval mode, frozen. Tied
+    parameters stay tied."""
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                            for p in model.parameters()}
+    skeleton = copy.deepcopy(model, memo).eval()
+    return skeleton._apply(lambda t: t if t.is_meta else t.cpu())  # buffers to host memory; .to() refuses meta
+
+
+def filled(skeleton: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of a ``meta_copy`` skeleton whose parameters are the tensors of ``state`` (a full
+    state dict; assigned, not copied); parameters tied in the skeleton are one parameter again
+    (a name ``state`` lacks takes its tied twin's). One still without weights is an error."""
+    plain = copy.deepcopy(skeleton)
+    tied: dict[int, list[str]] = {}
+    for name, p in plain.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(name)
+    result = plain.load_state_dict(state, strict=False, assign=True)  # assign: one parameter per name
+    for names in tied.values():  # tie them again, to the first name the state holds
+        source = next((n for n in names if n in state), None)
+        for n in names if source is not None else ():
+            owner, _, leaf = n.rpartition(".")
+            setattr(plain.get_submodule(owner), leaf, plain.get_parameter(source))
+    empty = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
+    if empty or result.unexpected_keys:
+        raise RuntimeError(f"gathered weights do not fill the model: no weights for {empty[:3]}, "
+                           f"unexpected {result.unexpected_keys[:3]}")
+    return plain.requires_grad_(False)
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """max over shared keys of |a - b| (for the equality tests and the tutorial)."""
     if set(a) != set(b):
@@ -345,4 +476,5 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].float() - b[k].float()).abs().max()) if a[k].numel() else 0.0 for k in a)
 
 
-__all__ = ["World", "SINGLE", "current", "init", "shutdown", "decoder_layers", "max_abs_diff"]
+__all__ = ["World", "SINGLE", "current", "init", "shutdown", "decoder_layers", "meta_copy", "filled",
+           "max_abs_diff"]

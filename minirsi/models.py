@@ -30,11 +30,12 @@ import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -44,6 +45,9 @@ from transformers import (
 )
 
 from minirsi.actions import IM_END, IM_START
+
+if TYPE_CHECKING:  # distributed imports nothing from here; a type hint only
+    from minirsi.distributed import World
 
 logger = logging.getLogger(__name__)
 
@@ -206,19 +210,9 @@ def attach_lora(model: PreTrainedModel, lora: LoraSettings) -> PreTrainedModel:
     return get_peft_model(model, cfg)
 
 
-def load_actor(
-    name_or_path: str | Path,
-    lora: LoraSettings | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Load a causal LM and its tokenizer with ``from_pretrained`` (a hub name or a directory).
+def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerFast:
+    """The tokenizer of a hub name or a checkpoint directory, checked for what minirsi needs.
 
-    Args:
-        name_or_path: Hugging Face model name or a directory written by ``save_actor``.
-        lora: when given, a fresh LoRA adapter is attached (base weights frozen).
-        dtype: parameter dtype (fp32 on CPU; bf16 on GPUs).
-        device: where the model lives.
     Raises:
         ValueError: a local-looking path that does not exist, or a tokenizer with no chat
             template and no ``<|im_end|>`` token (minirsi's action format needs both).
@@ -237,10 +231,69 @@ def load_actor(
         )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = PAD_TOKEN if PAD_TOKEN in tokenizer.get_vocab() else tokenizer.eos_token
+    return tokenizer
+
+
+def load_actor(
+    name_or_path: str | Path,
+    lora: LoraSettings | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Load a causal LM and its tokenizer with ``from_pretrained`` (a hub name or a directory).
+
+    Args:
+        name_or_path: Hugging Face model name or a directory written by ``save_actor``.
+        lora: when given, a fresh LoRA adapter is attached (base weights frozen).
+        dtype: parameter dtype (fp32 on CPU; bf16 on GPUs).
+        device: where the model lives.
+    Raises:
+        ValueError: see ``load_tokenizer``.
+    """
+    tokenizer = load_tokenizer(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
     model.to(device)
     if lora is not None:
         model = attach_lora(model, lora)
+    return model, tokenizer
+
+
+def actor_skeleton(name_or_path: str | Path, lora: LoraSettings | None = None,
+                   dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """``load_actor``'s model without its weights: the architecture from ``config.json`` alone.
+    Under ``torch.device("meta")`` (as ``World.load_sharded`` calls it) it takes no memory."""
+    config = AutoConfig.from_pretrained(str(name_or_path))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return attach_lora(model, lora) if lora is not None else model
+
+
+def load_actor_sharded(
+    name_or_path: str | Path,
+    world: "World",
+    lora: LoraSettings | None = None,
+    device: str | torch.device = "cpu",
+    keep_unsharded: bool = True,
+    frozen: bool = False,
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """``load_actor`` sharded over ``world`` (``World.load_sharded``): rank 0 reads the
+    checkpoint, every other rank builds ``actor_skeleton`` on the meta device and receives its
+    shards. At world size 1, ``load_actor(name_or_path, lora, device=device)`` itself.
+
+    Args:
+        keep_unsharded: rank 0 keeps the loaded model as its plain copy for in-process sampling;
+            False when servers sample (a full-weight push gathers to rank 0 for each push).
+        frozen: eval mode, no gradients (a KL reference).
+    """
+    if world.size == 1:
+        model, tokenizer = load_actor(name_or_path, lora=lora, device=device)
+        return (model.eval().requires_grad_(False) if frozen else model), tokenizer
+    tokenizer = load_tokenizer(name_or_path)  # every rank tokenises
+
+    def freeze(model: torch.nn.Module) -> torch.nn.Module:
+        return model.eval().requires_grad_(False) if frozen else model
+
+    model = world.load_sharded(lambda: freeze(load_actor(name_or_path, lora=lora)[0]),
+                               lambda: freeze(actor_skeleton(name_or_path, lora)), keep_unsharded=keep_unsharded)
     return model, tokenizer
 
 

@@ -16,7 +16,6 @@ in RUN_DIR/calibration.json) are made once, by ``setup``.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -31,10 +30,10 @@ import torch
 
 from minirsi import distributed, fdr, rollout, rsr
 from minirsi.config import ConfigError, to_dict
-from minirsi.critic import build_critic, load_critic, save_critic, warmup_critic
+from minirsi.critic import build_critic, critic_skeleton, load_critic, load_critic_sharded, save_critic, warmup_critic
 from minirsi.episode import JsonlWriter
 from minirsi.evaluate import evaluate, generate_toy_suites, load_suites
-from minirsi.models import load_actor, pad_id_of, save_actor
+from minirsi.models import load_actor, load_actor_sharded, load_tokenizer, pad_id_of, save_actor
 from minirsi.pretrain import PretrainConfig, pretrain
 from minirsi.rpr import make_optimizers, make_rollout_fn, run_rpr, score
 from minirsi.rundir import RunDir, StageInputs, StageSpec, stage_seed
@@ -218,8 +217,8 @@ class RecipeRunner:
     def _actor(cfg: RunConfig, path: Path | None) -> tuple[Any, Any]:
         """The stage's actor: loaded, with fresh LoRA adapters when ``lora.enabled``, sharded
         over the ranks (minirsi.distributed; unchanged in one process)."""
-        actor, tok = load_actor(path, lora=cfg.lora if cfg.lora.enabled else None, device=cfg.device)
-        return distributed.current().shard(actor), tok
+        return load_actor_sharded(path, distributed.current(), lora=cfg.lora if cfg.lora.enabled else None,
+                                  device=cfg.device)
 
     @staticmethod
     def _save_actor(cfg: RunConfig, actor: Any, tok: Any, out: Path) -> None:
@@ -233,11 +232,13 @@ class RecipeRunner:
 
     def _warmup(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
                 log: Callable[[int, dict], None]) -> dict:
-        actor, tok = load_actor(inputs.actor, device=cfg.device)
-        actor.eval().requires_grad_(False)  # the frozen RSR-1 actor
+        world = distributed.current()
+        # the frozen RSR-1 actor samples on rank 0; the other ranks need only its tokenizer
+        actor, tok = load_actor(inputs.actor, device=cfg.device) if world.is_main else (None, load_tokenizer(inputs.actor))
+        if actor is not None:
+            actor.eval().requires_grad_(False)
         seed = stage_seed(cfg.seed, spec.name)
         tasks = [t for t in self.tasks(cfg, run_, "train") for _ in range(cfg.warmup.samples_per_task)]
-        world = distributed.current()
         episodes = world.on_main(lambda: rollout.collect(tasks, HFSampler(actor, tok), tok,
                                                          dataclasses.replace(cfg.rollout, seed=seed), out / "episodes.jsonl"))
         usable = [e for e in episodes if any(e.action_mask)]
@@ -245,7 +246,8 @@ class RecipeRunner:
             raise RuntimeError("warm-up: no rollout produced an action; check the sandbox (minirsi task check)")
         rewards = score(usable, cfg.warmup.reward, self.scales(run_))
         # every critic parameter trains; the actor stays frozen
-        critic = world.shard(build_critic(actor).to(cfg.device))
+        critic = world.load_sharded(lambda: build_critic(actor).to(cfg.device), lambda: critic_skeleton(inputs.actor),
+                                    keep_unsharded=False)
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.warmup.lr_critic, weight_decay=0.0)
         wcfg = dataclasses.replace(cfg.warmup, seed=seed)
         evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=pad_id_of(tok),
@@ -264,8 +266,14 @@ class RecipeRunner:
     def _rpr(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
              log: Callable[[int, dict], None]) -> dict:
         world = distributed.current()
-        actor, tok = load_actor(inputs.actor, lora=cfg.lora if cfg.lora.enabled else None, device=cfg.device)
-        critic = (load_critic(inputs.critic) if inputs.critic else build_critic(actor)).to(cfg.device)
+        lora = cfg.lora if cfg.lora.enabled else None
+        if world.size > 1:  # rank 0 reads each checkpoint, the other ranks receive their shards
+            # with servers sampling, rank 0 keeps no unsharded actor: each push gathers one
+            actor, tok = load_actor_sharded(inputs.actor, world, lora=lora, keep_unsharded=not cfg.serving.servers)
+            critic = load_critic_sharded(inputs.critic or inputs.actor, world)
+        else:
+            actor, tok = load_actor(inputs.actor, lora=lora, device=cfg.device)
+            critic = (load_critic(inputs.critic) if inputs.critic else build_critic(actor)).to(cfg.device)
         base_cfg = getattr(cfg, spec.config_key)
         offset = 0
         stage_cfg = dataclasses.replace(base_cfg, seed=stage_seed(cfg.seed, spec.name), **dict(spec.overrides))
@@ -276,8 +284,7 @@ class RecipeRunner:
             stage_cfg = dataclasses.replace(stage_cfg, tis_cap=2.0 if cfg.serving.servers else 0.0)
         ref_model = None  # run_rpr's default (a frozen copy, or the adapter-free LoRA actor) in one process
         if world.size > 1 and stage_cfg.kl_coef > 0 and not cfg.lora.enabled:  # a sharded frozen copy
-            ref_model = world.shard(copy.deepcopy(actor).eval().requires_grad_(False), keep_unsharded=False)
-        actor, critic = world.shard(actor), world.shard(critic)
+            ref_model, _ = load_actor_sharded(inputs.actor, world, keep_unsharded=False, frozen=True)
         optimizers = make_optimizers(actor, critic, stage_cfg)
         if inputs.optimizer is not None and inputs.optimizer.is_file():
             state = torch.load(inputs.optimizer, weights_only=False)
@@ -289,7 +296,8 @@ class RecipeRunner:
         if push is not None:
             log(offset, {"phase": "sync", **push(actor)})  # the servers start from this stage's actor
         with JsonlWriter(out / "episodes.jsonl") as writer:
-            rollout_fn = world.rollout_fn(_recording(self._rollout_fn(cfg, tok, stage_cfg.temperature, sync), writer))
+            rollout_fn = world.rollout_fn(_recording(self._rollout_fn(cfg, tok, stage_cfg.temperature, sync), writer),
+                                          gather=not cfg.serving.servers)  # servers sample: no gather per rollout
             history = run_rpr(actor, critic, tok, self.tasks(cfg, run_, "train"), stage_cfg, rollout_fn,
                               self.scales(run_), log_fn=lambda rec: log(offset + int(rec["step"]), rec),
                               ref_model=ref_model, optimizers=optimizers, after_actor_update=push, world=world)

@@ -95,6 +95,91 @@ def test_two_process_updates_equal_one_process(tmp_path, lora):
         assert max_abs_diff(saved, {k: v for k, v in one.items() if k in saved}) == 0.0  # 1 process
 
 
+def _checkpoints(root: Path) -> Path:
+    """A saved tiny actor (with a ChatML tokenizer) and a saved critic with a non-zero head."""
+    from minirsi.critic import build_critic, save_critic
+    from minirsi.models import build_tokenizer, save_actor
+    from tiny import tiny_qwen
+
+    tok = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
+    actor = tiny_qwen(vocab=300, seed=0)
+    save_actor(actor, tok, root / "actor")
+    save_critic(build_critic(actor, head_init_std=0.1), root / "critic")
+    return root
+
+
+def test_world_size_one_loads_as_before(tmp_path):
+    """At world size 1, load_sharded is load() (build() is never called) and load_actor_sharded
+    is load_actor: the same weights, the same module types."""
+    from minirsi.critic import fingerprint, load_critic, load_critic_sharded
+    from minirsi.models import load_actor, load_actor_sharded
+
+    root = _checkpoints(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    assert SINGLE.load_sharded(lambda: model, lambda: pytest.fail("build() called at world size 1")) is model
+    a, _ = load_actor(root / "actor")
+    b, _ = load_actor_sharded(root / "actor", SINGLE)
+    assert type(a) is type(b) and fingerprint(a) == fingerprint(b) and b.training == a.training
+    assert fingerprint(load_critic_sharded(root / "critic", SINGLE)) == fingerprint(load_critic(root / "critic"))
+
+
+def test_meta_copy_holds_no_weights_and_filled_restores_them():
+    """The skeleton rank 0 keeps instead of an unsharded copy: meta parameters, real buffers
+    (RoPE's inv_freq), ties kept; filled() puts a state dict back without copying it."""
+    from minirsi.distributed import filled, meta_copy
+    from tiny import tiny_qwen
+
+    model = tiny_qwen(seed=0)
+    skeleton = meta_copy(model)
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    assert torch.equal(skeleton.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # as a tied gather may
+    plain = filled(skeleton, state)
+    assert plain.model.embed_tokens.weight.data_ptr() == state["model.embed_tokens.weight"].data_ptr()  # no copy
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    ids = torch.arange(1, 20)[None]
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+    assert all(p.is_meta for p in skeleton.parameters())  # the skeleton is reused for the next push
+    only_head = {k: v for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
+    tied = filled(skeleton, only_head)  # either name of a tied pair fills both
+    assert tied.model.embed_tokens.weight is tied.lm_head.weight
+    del state["model.norm.weight"]
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        filled(skeleton, state)
+
+
+@pytest.mark.slow
+def test_load_sharded_equals_from_pretrained(tmp_path):
+    """Rank 0 loads, rank 1 builds on the meta device, the weights are broadcast to the shards:
+    gathered, every parameter equals a one-process from_pretrained bit for bit and every rank's
+    buffers (RoPE's inv_freq: in no state dict) equal too, for the actor (plain, LoRA, frozen as
+    the KL reference, with activation checkpointing) and for the critic (saved, or built from the actor's checkpoint);
+    a PPO update after it equals the update after the every-rank load; and an actor sharded
+    with no unsharded copy (servers sample) is gathered whole for a push and a save."""
+    root = _checkpoints(tmp_path / "ckpt")
+    out = tmp_path / "load.json"
+    proc = torchrun("tests/dist_load.py", str(root), str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2
+    for key in ("actor", "lora", "reference", "checkpointed", "critic", "built_critic"):
+        assert r[f"{key}_state"] == 0.0, key
+    assert r["reference_not_frozen"] == 0.0
+    for key in ("actor", "checkpointed", "critic", "built_critic"):
+        assert r[f"{key}_buffers"] == 0.0, key
+    assert r["actor_training"] == r["critic_training"] == r["built_critic_training"] == 0.0  # eval/train as loaded
+    assert r["lora_trainable_not_lora"] == 0.0
+    assert r["ppo_actor"] <= TOL and r["ppo_critic"] <= TOL and r["ppo_moved"] > 1e-4
+    assert r["rank0_keeps_copy"] == 1.0 and r["served_keeps_copy"] == 0.0  # rank 0 only / nobody
+    assert r["rollout_gets_sharded"] == 2.0  # gather=False: rank 0's sampler got the sharded actor, no gather
+    assert r["push_state"] == 0.0 and r["push_logits"] == 0.0 and r["push_tied"] == 1.0 and r["push_frozen"] == 1.0
+    assert r["served_save"] == 0.0
+    assert r["failure_raised"] == 2.0 and "has no config.json" in r["failure_message"]
+    assert r["mismatch_raised"] == 2.0 and "torch.float64" in r["mismatch_message"]
+
+
 # ------------------------------------------------------------------------- the recipe under torchrun
 
 # The smoke preset, cut to seconds a stage: 4 training tasks, one RPR step per phase, 2 turns.
