@@ -47,6 +47,7 @@ Choices the paper leaves open, ours:
   the actor little beyond the critic's errors on it; with ``drop_uniform_groups`` such tasks
   leave the update (DAPO's dynamic sampling, without the resampling), and a step in which no
   task has both outcomes updates the critic only. Success is logged over every episode.
+  Off in the presets: on the toy pool neither helped (docs/experiments.md).
 * Calibration: the first ``critic_calibration_updates`` steps of a phase update the critic only
   (each on fresh rollouts of the frozen actor, as veRL's ``critic_warmup``); ``steps`` joint
   steps follow, so a phase runs calibration + steps rollouts.
