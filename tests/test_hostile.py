@@ -68,6 +68,7 @@ def base(request):
     saved = {k: os.environ.get(k) for k in ("MINIRSI_SANDBOX_TMP", "MINIRSI_LAYERS")}
     os.environ["MINIRSI_SANDBOX_TMP"] = str(d)
     plain = HELLO = load_task(FIXTURES / "good" / "hello")
+    os.environ["MINIRSI_LAYERS"] = str(d / ".layers")  # private: another process's `task prepare` may be writing the shared cache
     if request.param == "layer":
         if os.geteuid() != 0:
             pytest.skip("environment layers need root (preparation and the overlay mount)")
