@@ -183,7 +183,8 @@ def map_base(image: str, lineno: int, path: Path, text: str) -> tuple[list[str],
         notes.append(f"{image}: Python {m.group(1)}.{m.group(2)} in the image, Python 3.11 in the local layer")
     if last.startswith("ubuntu"):
         notes.append(f"{image}: Ubuntu in the image, Debian 12 bookworm in the local layer (package versions differ)")
-    elif last.startswith("debian") and tag not in ("bookworm", "12", "bookworm-slim", "12-slim", "stable", "latest", "stable-slim"):
+    elif last.startswith("debian") and not re.match(r"(bookworm|12)([.-]|$)", tag):
+        # stable/latest are Debian 13 trixie since August 2025, not the local layer's 12
         notes.append(f"{image}: Debian {tag} in the image, Debian 12 bookworm in the local layer")
     return notes, python
 

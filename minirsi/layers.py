@@ -539,9 +539,15 @@ def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> 
     env_layer = _layer(key)
     if env_layer is None:
         log(f"{task.task_id}: preparing environment layer {key} from {task.dockerfile}")
-        env_layer = _build(key, [rootfs], _env_steps(df, task.environment_dir), task.environment_dir, timeout,
-                           {"kind": "environment", "dockerfile": str(task.dockerfile), "base": df.base,
-                            "notes": df.notes, "env": df.env, "workdir": df.workdir}, log)
+        try:
+            env_layer = _build(key, [rootfs], _env_steps(df, task.environment_dir), task.environment_dir, timeout,
+                               {"kind": "environment", "dockerfile": str(task.dockerfile), "base": df.base,
+                                "notes": df.notes, "env": df.env, "workdir": df.workdir}, log)
+        except LayerError as e:
+            if not df.notes:
+                raise
+            # a RUN that works on the image's own release may not on the local base: say so with the failure
+            raise LayerError(f"{e}\n(base differs: {'; '.join(df.notes)})") from e
         built = True
     spec = read_tool_spec(task.test_script) if task.test_script.is_file() else ToolSpec()
     apt = pip = None

@@ -49,6 +49,36 @@ def test_fixture_dockerfile_steps_env_and_notes():
     assert df.notes == ["python:3.13-slim-bookworm: Python 3.13 in the image, Python 3.11 in the local layer"]
 
 
+@pytest.mark.parametrize("image, differs", [
+    ("debian:bookworm", False), ("debian:12.5-slim", False), ("debian:bookworm-20250520", False),
+    ("debian:13.0-slim", True), ("debian:stable", True), ("debian:latest", True), ("debian:trixie", True),
+])
+def test_debian_tags_other_than_bookworm_get_a_note(tmp_path, image, differs):
+    # stable/latest have been Debian 13 since August 2025; only 12/bookworm matches the local layer
+    notes = parse_dockerfile(_dockerfile(tmp_path, f"FROM {image}\n")).notes
+    assert bool(notes) == differs and all("Debian 12 bookworm in the local layer" in n for n in notes)
+
+
+def test_a_failed_run_on_a_differing_base_says_the_base_differs(tmp_path, monkeypatch):
+    import minirsi.layers as layers_mod
+
+    def failing_build(key, lowers, steps, context, timeout, meta, log):
+        raise LayerError("Dockerfile:3: RUN apt-get source pmars: exited with status 100; last lines:\nE: no")
+    monkeypatch.setattr(layers_mod, "_build", failing_build)
+    monkeypatch.setattr(layers_mod, "_layer", lambda key: None)
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "var/lib/dpkg").mkdir(parents=True)
+    (rootfs / "var/lib/dpkg/status").write_text("Package: x\n")
+    newer = _variant(tmp_path, "trixie", "FROM debian:13.0-slim\nWORKDIR /app\nRUN apt-get source pmars\n")
+    with pytest.raises(LayerError, match=r"exited with status 100(.|\n)*\(base differs: debian:13.0-slim: Debian "
+                                         r"13.0-slim in the image, Debian 12 bookworm in the local layer\)"):
+        prepare(load_task(newer), rootfs)
+    same = _variant(tmp_path, "bookworm", "FROM debian:bookworm\nWORKDIR /app\nRUN apt-get source pmars\n")
+    with pytest.raises(LayerError) as caught:
+        prepare(load_task(same), rootfs)
+    assert "base differs" not in str(caught.value)
+
+
 def test_env_arg_substitution_and_legacy_env(tmp_path):
     df = parse_dockerfile(_dockerfile(tmp_path, "ARG V=1.2\nFROM ubuntu:24.04\nENV A=x\nENV B=\"$A/y\" A=z\nENV C the ${B:-no} z\n"
                                                 "ENV D=${MISSING:-dflt} E=${A:+alt}\nWORKDIR /srv/$A\nRUN echo $V\n"))
