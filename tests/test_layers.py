@@ -334,6 +334,28 @@ def test_verifier_is_root_in_its_jail_but_cannot_write_layers(layers, tmp_path):
 
 
 @pytest.mark.slow
+def test_verifier_root_is_writable_throwaway_and_chroot_works(layers, tmp_path):
+    # tests/fixtures/verifier-root/test.sh writes /server and /jail/x and chroots into /jail, as
+    # root; it fails if a previous episode's /server or /jail is still there
+    task_dir = tmp_path / "writable-root"
+    shutil.copytree(WORD_STATS, task_dir)
+    shutil.copy(FIXTURES.parent / "verifier-root" / "test.sh", task_dir / "tests" / "test.sh")
+    task = load_task(task_dir)
+    host = [p for p in (Path("/server"), Path("/jail")) if not p.exists()]
+    digests = (_tree_digest(layers[1]), _tree_digest(default_rootfs()))
+    for _ in range(2):  # the second episode starts clean
+        with open_sandbox(task) as sb:
+            r = verify(sb, task)
+        assert r.success and "chroot-ok" in r.output_tail, r.output_tail
+        assert "WROTE" not in r.output_tail and "UNBOUNDED" not in r.output_tail
+    with open_sandbox(task) as sb:  # the agent's root is untouched and still read-only
+        seen = sb.run("ls -d /server /jail 2>&1 | grep -c 'No such'; touch /x 2>&1 | grep -c Read-only", timeout=10)
+    assert seen.output == "2\n1\n", seen.output
+    assert (_tree_digest(layers[1]), _tree_digest(default_rootfs())) == digests
+    assert not any(p.exists() for p in host)
+
+
+@pytest.mark.slow
 def test_prepare_cli_names_the_failing_line_and_package(tmp_path, capsys, layers):
     bad = _variant(tmp_path, "bad-apt", "FROM debian:bookworm\nWORKDIR /app\n"
                    "RUN apt-get update -qq && apt-get install -y -qq no-such-package-xyz\n")

@@ -14,6 +14,13 @@ copy of what the layer holds at the workdir, and the Dockerfile's ENV is set. It
 as uid 0 inside the jail (as Harbor runs test.sh as root; still mapped to the unprivileged
 host uid), with /tests a writable throwaway copy (as Harbor's), over the test tools' layers,
 with the offline stand-ins of verifier_shims.py first on PATH (/opt/minirsi/bin) and HOME=/tmp.
+Its ``/`` is writable, as root's is in Harbor's container: a fresh tmpfs of tmp_size_mb that dies
+with the jail (``mkdir /server``, ``mkdir /jail; chroot /jail ...`` work and leave nothing for the
+next episode; the rootfs, the layers and the host are never written), with CAP_SYS_CHROOT in the
+jail's user namespace only. The top-level directories bound into it stay read-only (the jail's
+root is not host root, so it could not write root-owned files even through an overlay): writes
+into /usr, /etc or /opt still fail, and /tmp and the workdir are separate mounts (a rename
+between them is EXDEV, as it is not in Docker). The agent's jail keeps its read-only root.
 
 namespaces: user (uid/gid 1000 inside), pid, net (no interface but a down loopback: offline),
 ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and ``solution/`` are never
@@ -351,7 +358,8 @@ class BwrapSandbox(ShellSandbox):
         src = str(self._base / ".rootfs-mnt") if self._as_root else str(self.rootfs)
         workdir = self.task.workdir
         top = workdir.split("/")[1]
-        uid = 0 if verifier and self.prepared is not None else SANDBOX_UID
+        harbor_root = verifier and self.prepared is not None
+        uid = 0 if harbor_root else SANDBOX_UID
         args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", str(uid),
                 "--gid", str(uid), "--hostname", "sandbox", "--clearenv"]
@@ -361,6 +369,10 @@ class BwrapSandbox(ShellSandbox):
                     "TERM": "dumb", "SHELL": "/bin/bash"}
         for k, v in {**base_env, **env}.items():
             args += ["--setenv", k, v]
+        if harbor_root:
+            # root may write anywhere, as in Harbor's container: / is a fresh tmpfs (sized like
+            # /tmp) that dies with the jail, under the same read-only binds; chroot needs its cap
+            args += ["--cap-add", "CAP_SYS_CHROOT", "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/"]
         if self.prepared is not None:
             from minirsi.layers import top_level
 
@@ -390,10 +402,12 @@ class BwrapSandbox(ShellSandbox):
                                    "Fix: choose a workdir whose first component is not in the rootfs (e.g. /app)")
         args += ["--proc", "/proc", "--dev", "/dev", "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/tmp",
                  "--ro-bind", str(self._dir / "passwd"), "/etc/passwd", "--ro-bind", str(self._dir / "group"), "/etc/group",
-                 "--bind", str(self.workdir_host), workdir, *binds,
-                 # bwrap's root is a tmpfs the sandbox uid owns: make it read-only (no writes to
-                 # /x, /home, /opt; no filling memory through it).
-                 "--remount-ro", "/", "--chdir", workdir, *command]
+                 "--bind", str(self.workdir_host), workdir, *binds]
+        if not harbor_root:
+            # bwrap's root is a tmpfs the sandbox uid owns: make it read-only (no writes to
+            # /x, /home, /opt; no filling memory through it).
+            args += ["--remount-ro", "/"]
+        args += ["--chdir", workdir, *command]
         limits = [f"--nproc={self._nproc()}", f"--as={self.memory_mb << 20}", f"--fsize={self.file_size_mb << 20}",
                   "--core=0", "--nofile=1024"]
         if not self._as_root:
