@@ -96,6 +96,7 @@ def worker(rank: int, port: int, mode: str, ckpt: str, out: dict) -> None:
         record["diff"] = max_abs_diff(state, {k: saved[k] for k in state})
     out[(mode, rank)] = record
     distributed.shutdown()
+    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.distributed.exit_rank)
 
 
 def free_port() -> int:

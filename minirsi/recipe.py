@@ -328,11 +328,12 @@ def cli(argv: Sequence[str] | None = None, command: str = "run") -> int:
     except KeyboardInterrupt:
         print(f"\nminirsi {command}: interrupted; continue with `minirsi run --resume {run_dir}`", file=sys.stderr)
         return 130
-    if not world.is_main:
-        return 0  # rank 0 reports
-    print(report.results_table(results, k=cfg.eval.k, labels=report.stage_labels(run_dir, list(results))))
-    if not args.no_report:
-        path = report.write_report(run_dir)
-        print(f"report: {path}")
-    print(f"run dir: {run_dir}  ({(time.time() - t0) / 60:.1f} min)")
+    if world.is_main:  # rank 0 reports
+        print(report.results_table(results, k=cfg.eval.k, labels=report.stage_labels(run_dir, list(results))))
+        if not args.no_report:
+            path = report.write_report(run_dir)
+            print(f"report: {path}")
+        print(f"run dir: {run_dir}  ({(time.time() - t0) / 60:.1f} min)")
+    if world.size > 1:
+        distributed.exit_rank(0)  # out of the process group already; skip the interpreter's teardown
     return 0

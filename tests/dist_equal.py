@@ -128,6 +128,7 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(result))
     distributed.shutdown()
+    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.distributed.exit_rank)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,7 @@ def main() -> None:
     if world.is_main:
         out.write_text(json.dumps(result, indent=1))
     distributed.shutdown()
+    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.distributed.exit_rank)
 
 
 if __name__ == "__main__":
