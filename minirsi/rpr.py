@@ -615,7 +615,8 @@ def run_rpr(
     then ``world.rollout_fn(...)``, so every rank sees the same episodes.
     ``after_actor_update(actor) -> metrics`` runs after every joint step's update, before the
     next rollout (the weight sync to inference servers, ``minirsi.weight_sync``); its metrics
-    join the step's record. Calibration steps leave the actor unchanged and do not call it."""
+    join the step's record. Steps that leave the actor unchanged (calibration, and with
+    ``drop_uniform_groups`` a step without contrast) do not call it."""
     torch.manual_seed(cfg.seed)
     if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
         ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref = the actor as the stage starts
@@ -641,10 +642,11 @@ def run_rpr(
         train_eps = [usable[i] for i in kept]
         batch = prepare_batch(actor, critic, train_eps, [rewards[i] for i in kept], cfg, pad_id_of(tokenizer),
                               ref_model, world)
-        metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model,
-                             update_actor=phase == "joint" and contrast, seed=step_seed, world=world)
+        moved = phase == "joint" and contrast  # the actor takes this step's update
+        metrics = ppo_update(actor, critic, batch, cfg, optimizers, ref_model, update_actor=moved,
+                             seed=step_seed, world=world)
         t2 = time.perf_counter()
-        synced = after_actor_update(actor) if after_actor_update is not None and phase == "joint" else {}
+        synced = after_actor_update(actor) if after_actor_update is not None and moved else {}
         if cfg.tis_cap:
             metrics["tis_capped_frac"] = truncated_is_weights(batch["old_logprobs"], batch["sampler_logprobs"],
                                                               batch["action_mask"], cfg.tis_cap)[1]

@@ -515,7 +515,10 @@ def test_drop_uniform_groups_trains_on_tasks_with_both_outcomes_only(mixed):
 
     cfg = _cfg(episodes_per_step=8, samples_per_task=4, drop_uniform_groups=True, steps=1,
                critic_calibration_updates=0, lr_actor=1e-3, reward="fdr")
-    (record,) = run_rpr(actor, critic, None, ["solved", "other"], cfg, rollout_fn, scales={"f": 1.0})
+    pushed = []
+    (record,) = run_rpr(actor, critic, None, ["solved", "other"], cfg, rollout_fn, scales={"f": 1.0},
+                        after_actor_update=lambda model: pushed.append(1) or {})
+    assert len(pushed) == int(mixed)  # an unchanged actor is not pushed to the servers
     assert record["episodes"] == 8 and record["binary_reward"] == (6 / 8 if mixed else 4 / 8)
     assert record["trained_episodes"] == (4 if mixed else 0)
     assert (fingerprint(actor) != a0) is mixed
