@@ -163,11 +163,15 @@ class World:
         if self.is_main:
             plain = copy.deepcopy(model).eval().requires_grad_(False).to("cpu") if keep_unsharded else None
             skeleton = None if keep_unsharded else meta_copy(model)
-        fsdp2(model, bf16=str(self.device).startswith("cuda"), reshard_after_forward=self.reshard_after_forward,
-              activation_checkpointing=self.activation_checkpointing)
+        self._fsdp2(model)
         if self.is_main:
             self._remember(model, plain, skeleton)
         return model
+
+    def _fsdp2(self, model: nn.Module) -> None:
+        """``fsdp2`` with this world's settings: bf16 on CUDA, resharding, checkpointing."""
+        fsdp2(model, bf16=str(self.device).startswith("cuda"), reshard_after_forward=self.reshard_after_forward,
+              activation_checkpointing=self.activation_checkpointing)
 
     def load_sharded(self, load: Callable[[], nn.Module], build: Callable[[], nn.Module],
                      keep_unsharded: bool = True) -> nn.Module:
@@ -200,8 +204,7 @@ class World:
         with torch.device("meta"):
             model = build()
         self._match_layout(model, full)
-        fsdp2(model, bf16=str(self.device).startswith("cuda"), reshard_after_forward=self.reshard_after_forward,
-              activation_checkpointing=self.activation_checkpointing)
+        self._fsdp2(model)
         model.to_empty(device=self.device)  # this rank's shards, uninitialised
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
