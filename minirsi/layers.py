@@ -4,9 +4,12 @@ A task with ``environment/Dockerfile`` runs on a *layer*: a directory holding on
 Dockerfile changed (the overlayfs "upper" of the build), stacked read-only over the shared
 base rootfs when a sandbox opens::
 
-    agent jail      /  =  overlay(lowerdir = env.upper : rootfs)                  read-only
-    verifier jail   /  =  overlay(lowerdir = apt.upper : env.upper : rootfs)      read-only
+    agent jail      /  =  overlay(lowerdir = env.upper : rootfs, upperdir = the episode's)
+    verifier jail   /  =  overlay(lowerdir = apt.upper : env.upper : rootfs, the same upperdir)
                     /opt/minirsi-tools  =  pip.upper/opt/minirsi-tools (bind)    read-only
+
+The layers themselves are never written while tasks run: an episode's changes go to its own
+upper directory (minirsi/sandbox/overlay_root.py).
 
 - ``env`` layer, key = sha256(format, base rootfs, every file of environment/): the Dockerfile
   replayed (minirsi/dockerfile.py) by ``prepare``: each RUN runs as root with the machine's
@@ -70,14 +73,20 @@ _MOUNT_POINTS = (f"mkdir -p /opt/minirsi/bin {TOOLS_DIR} && "
 # RUN is root, as in `docker build`, with Docker's default capabilities minus MKNOD and NET_RAW:
 # enough for dpkg and apt's _apt sandbox, not for mount, modules or raw devices (host root's
 # CAP_SYS_ADMIN would let a Dockerfile mount the host's disk).
-_BUILD_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+DOCKER_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
                "CAP_SETPCAP", "CAP_SETFCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE")
 _CA = "/tmp/.minirsi-ca.crt"  # the host's CA bundle inside the preparation jail
 _PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
 _CLEANUP = ("rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/cache/apt/*.bin /root/.cache/pip "
             "2>/dev/null; true")
 _PREFIXES = ("sudo", "env", "exec", "command", "time", "nice")
-_SHIMMED_APT = {"curl"}  # test.sh installs these; the verifier jail has a stand-in instead
+_SHIMMED_APT = {"curl"}
+# What a python:* image has and Debian's python3 lacks: pip, a `python` command, the headers C
+# extensions build against (a test may `setup.py build_ext`), venv; no EXTERNALLY-MANAGED marker.
+_PYTHON_IMAGE = ("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
+                 "python3-dev python3-venv >/dev/null && python3 -m pip install -q --no-cache-dir --ignore-installed pip "
+                 "&& ln -sf /usr/bin/python3 /usr/local/bin/python && rm -f /usr/lib/python3.11/EXTERNALLY-MANAGED "
+                 "/usr/lib/python3.11/config-3.11-*/libpython3.11*.a")  # static archives: 25 MB no extension needs  # test.sh installs these; the verifier jail has a stand-in instead
 
 
 class LayerError(RuntimeError):
@@ -179,6 +188,11 @@ def _hash_environment(root: Path, rootfs: Path) -> str:
                     h.update(chunk)
         elif p.is_dir():
             h.update(f"D{rel}\0".encode())
+    try:  # a python image's layer holds _PYTHON_IMAGE too
+        if parse_dockerfile(root / "Dockerfile").python_image:
+            h.update(_PYTHON_IMAGE.encode())
+    except (DockerfileError, OSError):
+        pass  # reported when the Dockerfile is read for preparation
     return h.hexdigest()[:24]
 
 
@@ -357,7 +371,7 @@ def _jail_argv(lowers: list[Path], upper: Path, work: Path, merged: Path, contex
             ":".join(str(p) for p in lowers), str(upper), str(work), str(merged),
             "bwrap", "--bind", str(merged), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", *binds,
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent",
-            "--new-session", "--cap-drop", "ALL", *[a for c in _BUILD_CAPS for a in ("--cap-add", c)], "--clearenv",
+            "--new-session", "--cap-drop", "ALL", *[a for c in DOCKER_CAPS for a in ("--cap-add", c)], "--clearenv",
             *setenv, "--chdir", "/", "/bin/sh", "-c", "chmod 1777 /tmp\n" + script]
 
 
@@ -495,10 +509,9 @@ def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, s
 def _env_steps(df: Dockerfile, context: Path) -> list[tuple[str, str, dict[str, str], str]]:
     where = df.path
     steps = []
-    if df.python_image:  # what a python:* image has and Debian's python3 lacks
-        steps.append((f"{where}: FROM {df.base}: pip and `python` as in the image",
-                      f"python3 -m pip install -q --no-cache-dir --ignore-installed pip && ln -sf /usr/bin/python3 /usr/local/bin/python "
-                      f"&& rm -f /usr/lib/python3.11/EXTERNALLY-MANAGED", {"PYTHONPATH": _PIP}, "/"))
+    if df.python_image:
+        steps.append((f"{where}: FROM {df.base}: pip, `python`, Python.h and venv as in the image", _PYTHON_IMAGE,
+                      {"PYTHONPATH": _PIP}, "/"))
     for step in df.steps:
         label = f"{where}:{step.lineno}: {step.text.strip()[:100]}"
         env = dict(step.env)
@@ -575,27 +588,3 @@ def list_layers() -> list[dict]:
     root = cache_dir()
     return [json.loads((d / "meta.json").read_text()) for d in sorted(root.iterdir())
             if (d / "meta.json").is_file()] if root.is_dir() else []
-
-
-def mount_lowers(prepared: Prepared, rootfs: Path, verifier: bool = False) -> str:
-    """The ``lowerdir=`` value of the read-only overlay a sandbox's root is made of."""
-    return ":".join(str(p) for p in [*prepared.lowers(verifier), rootfs])
-
-
-def top_level(prepared: Prepared, rootfs: Path, verifier: bool = False) -> dict[str, Path]:
-    """Name -> the path that decides its type, for every top-level entry of the stacked root
-    (upper layers first; an overlay whiteout, a 0/0 character device, hides the name)."""
-    out: dict[str, Path] = {}
-    hidden: set[str] = set()
-    for layer in [*prepared.lowers(verifier), rootfs]:
-        if not layer.is_dir():
-            continue
-        for entry in os.scandir(layer):
-            if entry.name in out or entry.name in hidden:
-                continue
-            st = entry.stat(follow_symlinks=False)
-            if (st.st_mode & 0o170000) == 0o020000 and st.st_rdev == 0:
-                hidden.add(entry.name)
-            else:
-                out[entry.name] = Path(entry.path)
-    return out

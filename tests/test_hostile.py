@@ -1,8 +1,9 @@
 """Hostile agents: every attack is contained, scores 0, leaves the host unchanged, and the next
 episode starts clean. Each test plays a whole episode on the `hello` fixture (solved by writing
 `hello` into /app/greeting.txt) with the attack, then runs the verifier; twice: on the base
-rootfs, and on a prepared environment layer (hello with a Dockerfile that COPYs input.txt),
-where the layer directory must come out unchanged too.
+rootfs (the agent is uid 1000 on a read-only root), and on a prepared environment layer (hello
+with a Dockerfile that COPYs input.txt; the agent is root on the episode's own writable copy of
+the image, as in Docker), where the layer directory must come out unchanged too.
 """
 
 from __future__ import annotations
@@ -129,13 +130,21 @@ def test_no_docker_or_host_paths(base):
     assert_scores_zero(vr)
 
 
-def test_writes_outside_the_workdir_fail(base):
+def test_writes_outside_the_workdir(base):
     attack = ("for f in /etc/passwd /etc/hostname /usr/bin/python3 /bin/sh /x /root/x /home/x /opt/x /var/x; do "
               "  (echo pwned > $f) 2>/dev/null && echo WROTE $f; done; "
               "rm -rf /usr/lib/python3 2>/dev/null; mkdir /logs 2>/dev/null && echo MADE_LOGS; "
-              "ls /usr/lib/python3 >/dev/null && echo intact")
+              "ls /usr/lib/python3 >/dev/null 2>&1 && echo intact")
     (r,), vr = episode([(attack, 30)])
-    assert "WROTE" not in r.output and "MADE_LOGS" not in r.output and "intact" in r.output
+    if HELLO.uses_layer:
+        # root in the episode's own copy of the image, as in a Docker container: every write
+        # lands, in this episode only (the fixture checks the host, rootfs and layers unchanged)
+        assert r.output.count("WROTE") == 9 and "MADE_LOGS" in r.output and "intact" not in r.output, r.output
+        with open_sandbox(HELLO) as sb:
+            after = sb.run("cat /etc/hostname /x 2>&1 | grep -c pwned; ls /usr/lib/python3 >/dev/null && echo intact", timeout=10)
+        assert after.output == "0\nintact\n", after.output
+    else:  # uid 1000 on a read-only root: the workdir and /tmp only
+        assert "WROTE" not in r.output and "MADE_LOGS" not in r.output and "intact" in r.output
     assert_scores_zero(vr)
 
 

@@ -299,22 +299,81 @@ def test_agent_sees_the_image_but_not_the_tests_or_tools(layers):
     lines = r.output.split("\n")
     assert lines[:2] == ["/app", "count_hint.txt"] and lines[2] == "data"
     # /opt/minirsi-tools is an empty mount point for the agent; /tests is absent
-    assert lines[3:9] == ["/app/report.json", "jq-1.6", "tree v2.1", "1.16.0", "1", "0"] and lines[9] == "1000", r.output
+    assert lines[3:9] == ["/app/report.json", "jq-1.6", "tree v2.1", "1.16.0", "1", "0"] and lines[9] == "0", r.output  # root, as in Docker
 
 
 @pytest.mark.slow
-def test_layers_are_read_only_and_unshared(layers):
+def test_the_episode_root_is_writable_private_and_thrown_away(layers):
+    # as in a Docker container: root writes anywhere, but only into this episode's copy; the
+    # layers, the rootfs, a concurrent episode and the next one see none of it
     task, cache = layers[0], layers[1]
-    before = _tree_digest(cache)
+    before = (_tree_digest(cache), _tree_digest(default_rootfs()))
     attack = ("for f in /usr/bin/jq /usr/local/lib/python3.11/dist-packages/six.py /etc/passwd /opt/minirsi/bin/x /newdir; do"
-              " (echo pwned > $f) 2>/dev/null && echo WROTE $f; done; rm -f /usr/bin/tree 2>/dev/null && echo REMOVED;"
-              " echo mine > /app/data/a.txt; cat /app/data/a.txt")
+              " (echo pwned > $f) 2>/dev/null && echo WROTE $f; done; rm -f /usr/bin/tree && echo REMOVED;"
+              " echo mine > /app/data/a.txt; mv /app/data/a.txt /tmp/a.txt && cat /tmp/a.txt")
     with open_sandbox(task) as a, open_sandbox(task) as b:
         ra = a.run(attack, timeout=20)
-        rb = b.run("cat /app/data/a.txt; tree --version | cut -c1-4", timeout=10)
-    assert "WROTE" not in ra.output and "REMOVED" not in ra.output and ra.output.endswith("mine\n")
-    assert rb.output == "the quick brown fox\njumps over\ntree\n"  # the other sandbox's copy is untouched
-    assert _tree_digest(cache) == before
+        rb = b.run("cat /app/data/a.txt; tree --version | cut -c1-4; jq --version; ls /newdir 2>&1 | grep -c 'No such'", timeout=10)
+    assert ra.output.count("WROTE") == 5 and "REMOVED" in ra.output and ra.output.endswith("mine\n"), ra.output
+    assert rb.output == "the quick brown fox\njumps over\ntree\njq-1.6\n1\n", rb.output
+    with open_sandbox(task) as c:
+        rc = c.run("cat /app/data/a.txt; tree --version | cut -c1-4; grep -c pwned /etc/passwd", timeout=10)
+    assert rc.output == "the quick brown fox\njumps over\ntree\n0\n", rc.output
+    assert (_tree_digest(cache), _tree_digest(default_rootfs())) == before
+
+
+@pytest.mark.slow
+def test_the_episode_root_is_like_a_containers(layers):
+    # localhost resolves, /dev/shm is shared memory for all, a compiled extension finds Python.h,
+    # a file moves between the workdir and /tmp (one mount), the jail's root owns the image and
+    # can write a file of another group (root:shadow)
+    probe = ("getent hosts localhost >/dev/null && echo resolves; stat -c %a /dev/shm; ls /usr/include/python3*/Python.h | wc -l;"
+             " echo x > /app/f && mv /app/f /tmp/f && echo moved; stat -c %u /usr/bin/jq; echo x >> /etc/gshadow && echo shadow")
+    with open_sandbox(layers[0]) as sb:
+        r = sb.run(probe, timeout=20)
+    assert r.output == "resolves\n1777\n1\nmoved\n0\nshadow\n", r.output
+
+
+@pytest.mark.slow
+def test_the_verifier_sees_the_agents_changes_anywhere_but_not_its_runtime(layers, tmp_path):
+    # the agent's files outside the workdir reach the verifier (as in Harbor's one container);
+    # what test.sh itself runs (bash, python and its libraries, the loader) is the image's
+    task_dir = tmp_path / "outside"
+    shutil.copytree(WORD_STATS, task_dir)
+    (task_dir / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ncat /usr/local/bin/tool /etc/tool.conf /tmp/moved\npython3 -c 'print(\"py\", 6 * 7)'\n"
+        "env printf 'env-ok\\n'; ls -l /bin | cut -c1; id -u\necho 1 > /logs/verifier/reward.txt\n")
+    task = load_task(task_dir)  # same environment/ and tool spec: the same layers
+    before = (_tree_digest(layers[1]), _tree_digest(default_rootfs()))
+    tamper = ("echo tool > /usr/local/bin/tool; echo conf > /etc/tool.conf; echo moved > /app/m; mv /app/m /tmp/moved; "
+              "printf '#!/bin/sh\\necho FORGED\\n' > /usr/bin/python3.11; cp /usr/bin/python3.11 /usr/local/bin/python3; "
+              "chmod +x /usr/local/bin/python3; rm /usr/bin/env; echo /tmp/evil.so > /etc/ld.so.preload; "
+              "rm /bin && mkdir /bin && cp /usr/bin/dash /bin/bash; echo 'import os; os._exit(0)' > /usr/lib/python3.11/site.py; echo done")
+    with open_sandbox(task) as sb:
+        assert sb.run(tamper, timeout=20).output.endswith("done\n")
+        r = verify(sb, task)
+    lines = r.output_tail.split("\n")
+    assert r.success and lines[:7] == ["tool", "conf", "moved", "py 42", "env-ok", "l", "0"], r.output_tail
+    assert "FORGED" not in r.output_tail and "evil" not in r.output_tail
+    assert (_tree_digest(layers[1]), _tree_digest(default_rootfs())) == before
+
+
+@pytest.mark.slow
+def test_an_agent_that_breaks_python_cannot_forge_the_reward(layers):
+    task = layers[0]  # word-stats, not solved: every check must run and fail
+    forge = ("for f in /usr/lib/python3.11/dist-packages /usr/local/lib/python3.11/dist-packages /usr/lib/python3/dist-packages; do"
+             " mkdir -p $f; echo 'import os; os._exit(0)' > $f/zz_forge.pth; done;"
+             " printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/pytest; chmod +x /usr/local/bin/pytest;"
+             " rm -rf /opt && ln -s /etc /opt; rm -rf /usr/lib/python3; ln -s /etc /usr/lib/python3; echo done")
+    # host paths the symlinks name, were they followed outside the jail by the (host root) mounter
+    assert not Path("/etc/minirsi-tools").exists() and not Path("/etc/minirsi_junit.py").exists()
+    before = _tree_digest(layers[1])
+    with open_sandbox(task) as sb:
+        assert sb.run(forge, timeout=20).output.endswith("done\n")
+        r = verify(sb, task)
+    assert not r.success and (r.passed, r.total) == (0, 5), r.output_tail
+    assert _tree_digest(layers[1]) == before
+    assert not Path("/etc/minirsi-tools").exists() and not Path("/etc/minirsi_junit.py").exists()
 
 
 @pytest.mark.slow
@@ -329,7 +388,8 @@ def test_verifier_is_root_in_its_jail_but_cannot_write_layers(layers, tmp_path):
     with open_sandbox(task) as sb:
         r = verify(sb, task)
     assert r.success and r.output_tail.split("\n")[0] == "0"
-    assert "WROTE" not in r.output_tail and "no-dns" in r.output_tail
+    assert "WROTE /usr/bin/jq" in r.output_tail  # the episode's copy of the image is writable
+    assert "no-dns" in r.output_tail
     assert _tree_digest(layers[1]) == before
 
 
@@ -347,10 +407,9 @@ def test_verifier_root_is_writable_throwaway_and_chroot_works(layers, tmp_path):
         with open_sandbox(task) as sb:
             r = verify(sb, task)
         assert r.success and "chroot-ok" in r.output_tail, r.output_tail
-        assert "WROTE" not in r.output_tail and "UNBOUNDED" not in r.output_tail
-    with open_sandbox(task) as sb:  # the agent's root is untouched and still read-only
-        seen = sb.run("ls -d /server /jail 2>&1 | grep -c 'No such'; touch /x 2>&1 | grep -c Read-only", timeout=10)
-    assert seen.output == "2\n1\n", seen.output
+    with open_sandbox(task) as sb:  # a new episode: nothing of the verifier's is left
+        seen = sb.run("ls -d /server /jail 2>&1 | grep -c 'No such'", timeout=10)
+    assert seen.output == "2\n", seen.output
     assert (_tree_digest(layers[1]), _tree_digest(default_rootfs())) == digests
     assert not any(p.exists() for p in host)
 
@@ -464,14 +523,15 @@ def test_test_sh_apt_packages_come_with_their_recommends(tmp_path, layers):
 
 
 @pytest.mark.slow
-def test_a_workdir_missing_from_the_layer_is_named(tmp_path, layers):
+def test_a_workdir_missing_from_the_layer_is_created(tmp_path, layers):
     d = _variant(tmp_path, "nowd", "FROM debian:bookworm\nWORKDIR /app\n")
     toml = d / "task.toml"
     toml.write_text(toml.read_text() + 'workdir = "/usr/share/proj"\n')
     task = load_task(d)
     prepare(task, default_rootfs())
-    with pytest.raises(SandboxError, match="add WORKDIR /usr/share/proj to the Dockerfile"):
-        open_sandbox(task)
+    with open_sandbox(task) as sb:  # as Docker creates a WORKDIR
+        r = sb.run("pwd; touch x && ls", timeout=10)
+    assert r.output == "/usr/share/proj\nx\n", r.output
 
 
 @pytest.mark.slow

@@ -8,23 +8,28 @@ The jail of one episode::
     <workdir>      read-write: a fresh host copy of environment/ (minus Dockerfile and setup)
     /etc/passwd    the rootfs's, plus `agent` (uid 1000, HOME=/tmp)
 
-A task with ``environment/Dockerfile`` runs on its prepared layers (minirsi/layers.py): ``/`` is
-then a read-only overlay of the environment layer over the rootfs, the work directory a fresh
-copy of what the layer holds at the workdir, and the Dockerfile's ENV is set. Its verifier runs
-as uid 0 inside the jail (as Harbor runs test.sh as root; still mapped to the unprivileged
-host uid), with /tests a writable throwaway copy (as Harbor's), over the test tools' layers,
-with the offline stand-ins of verifier_shims.py first on PATH (/opt/minirsi/bin) and HOME=/tmp.
-Its ``/`` is writable, as root's is in Harbor's container: a fresh tmpfs of tmp_size_mb that dies
-with the jail (``mkdir /server``, ``mkdir /jail; chroot /jail ...`` work and leave nothing for the
-next episode; the rootfs, the layers and the host are never written), with CAP_SYS_CHROOT in the
-jail's user namespace only. The top-level directories bound into it stay read-only (the jail's
-root is not host root, so it could not write root-owned files even through an overlay): writes
-into /usr, /etc or /opt still fail, and /tmp and the workdir are separate mounts (a rename
-between them is EXDEV, as it is not in Docker). The agent's jail keeps its read-only root.
+A task with ``environment/Dockerfile`` runs on its prepared layers (minirsi/layers.py) the way
+Harbor runs it in one Docker container: the agent, the setup script and then the verifier are
+root (uid 0 inside, still the unprivileged host uid outside, with Docker's default capabilities
+inside the user namespace only) on one writable root per episode: an overlay of the layers over
+the rootfs whose changes go to the sandbox's own directory and die with it (overlay_root.py,
+which mounts the layers idmapped so that the jail's root owns the image's files). The agent may
+write anywhere (``/usr/local/bin``, ``/etc``, ``useradd``); /tmp and the workdir are one mount
+(``mv /app/x /tmp`` works); the verifier sees every change; the layers, the rootfs, other
+episodes and the host see none. The verifier adds /tests (a writable throwaway copy, as
+Harbor's), the test tools (read-only, /opt/minirsi-tools) and the offline stand-ins of
+verifier_shims.py first on PATH (/opt/minirsi/bin), HOME=/root. What test.sh itself runs (bash,
+env, the Python interpreter, its standard library and system site-packages, the shared
+libraries, the loader's configuration: ``verifier_pins``) is taken from the pristine image,
+not from the episode, so an agent cannot forge the reward by replacing them; the agent's
+programs that a test executes still run with the verifier's rights (a property of the task).
+No agent process survives into the verifier (Harbor keeps them: a server the agent leaves
+running is gone here). The disk an episode may fill is bounded only per file (``file_size_mb``).
 
-namespaces: user (uid/gid 1000 inside), pid, net (no interface but a down loopback: offline),
-ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and ``solution/`` are never
-mounted while the agent acts.
+namespaces: user (uid/gid 1000 inside on the base rootfs, 0 on a layer), pid, net (no interface
+but loopback: offline), ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and
+``solution/`` are never mounted while the agent acts. On a layer ``localhost`` resolves, as in
+Docker (an /etc/hosts of the episode's own where the image has none).
 
 Limits, and why they hold. When minirsi runs as root (as in CI), a user namespace would map the
 sandbox's uid to host root, and the kernel exempts root from RLIMIT_NPROC, so a fork bomb would
@@ -54,6 +59,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,6 +77,41 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SHIM_BIN = "/opt/minirsi/bin"
 SHIM_SOURCE = Path(__file__).parent / "verifier_shims.py"
 SHIMS = ("apt-get", "apt", "curl", "uv", "uvx", "sudo", "pip", "pip3", "pytest")
+OVERLAY_ROOT = Path(__file__).parent / "overlay_root.py"
+HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"
+# What the verifier takes from the pristine image rather than from the episode (on a layer): what
+# test.sh and the stand-ins run (the shell, env, the Python interpreter, its standard library and
+# system site-packages, the shared libraries and the loader's configuration), so that an agent
+# cannot forge the reward by replacing them. Names test.sh may run bare are pinned in every PATH
+# directory (hidden where the image has none).
+_PINNED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr/lib64", "usr/bin/bash", "usr/bin/dash", "usr/bin/sh",
+           "usr/bin/env", "etc/ld.so.preload", "etc/ld.so.cache", "etc/ld.so.conf", "etc/ld.so.conf.d",
+           "usr/lib/python3")
+_PINNED_NAMES = ("python", "python3", "bash", "sh", "env")
+
+
+def verifier_pins(layers: list[Path]) -> list[str]:
+    """The paths the verifier takes from the pristine image (top layer first, the rootfs last):
+    _PINNED, the shared-library directories, and each Python the image has with its library."""
+    def find(rel: str) -> Path | None:
+        return next((layer / rel for layer in layers if os.path.lexists(layer / rel)), None)
+
+    pins = list(_PINNED)
+    for layer in layers:
+        pins += [f"usr/lib/{p.name}" for p in (layer / "usr/lib").glob("*-linux-gnu*") if p.is_dir()]
+    for d in ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin"):
+        pins += [f"{d}/{name}" for name in _PINNED_NAMES]
+    for d in ("usr/local/bin", "usr/bin"):
+        for name in ("python3", "python"):
+            path = find(f"{d}/{name}")
+            while path is not None and path.is_symlink():  # python3 -> python3.11
+                target = os.readlink(path)
+                path = find(os.path.normpath(os.path.join(d, target))) if not target.startswith("/") else find(target.lstrip("/"))
+                if path is not None:
+                    pins.append(str(path.relative_to(next(layer for layer in layers if path.is_relative_to(layer)))))
+    for version in {Path(p).name for p in pins if Path(p).name.startswith("python3.")}:
+        pins += [f"usr/lib/{version}", f"usr/local/lib/{version}"]
+    return list(dict.fromkeys(pins))
 
 
 def _is_whiteout(path: str) -> bool:
@@ -318,24 +359,21 @@ class BwrapSandbox(ShellSandbox):
             self._chown_tree(self.workdir_host)
 
     def _populate_from_layer(self) -> None:
-        """The work directory of a task with a Dockerfile: what the layer holds at the workdir
-        (its COPY and RUN results), copied fresh for this episode; environment/ is not copied
-        (the Dockerfile is in charge of its files, as in Terminal-Bench 2)."""
-        inside = self.task.workdir.lstrip("/")
-        source = next((layer / inside for layer in self.prepared.lowers() if (layer / inside).is_dir()), None)
-        if source is not None:
-            shutil.copytree(source, self.workdir_host, symlinks=True,
-                            ignore=lambda d, names: [n for n in names if _is_whiteout(os.path.join(d, n))])
-        else:
-            self.workdir_host.mkdir()
-        os.chmod(self.workdir_host, 0o755)
-        self._write_passwd()
-        self._chown_tree(self.workdir_host)
+        """A task with a Dockerfile: nothing is copied. The episode's root is an overlay of the
+        layers (overlay_root.py) whose changes go to <dir>/upper, made here; the workdir is the
+        layer's (its COPY and RUN results), created at the first mount if the layer lacks it."""
+        for d in ("upper", "stage"):
+            (self._dir / d).mkdir()
+        if not any(os.path.lexists(layer / "etc/hosts") for layer in [*self.prepared.lowers(), self.rootfs]):
+            etc = self._dir / "upper" / "u" / "etc"  # merged with the image's /etc
+            etc.mkdir(parents=True)
+            (etc / "hosts").write_text(HOSTS)
+            for path in (etc.parent, etc, etc / "hosts"):
+                os.chown(path, self.host_uid, self.host_uid)
+        self.workdir_host = self._dir / "upper" / "u" / self.task.workdir.lstrip("/")
 
     def _write_passwd(self) -> None:
         etc = self.rootfs / "etc"
-        if self.prepared is not None:  # a Dockerfile may add users (useradd)
-            etc = next((layer / "etc" for layer in self.prepared.lowers() if (layer / "etc/passwd").is_file()), etc)
         passwd = (etc / "passwd").read_text() + f"agent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:/tmp:/bin/bash\n"
         group = (etc / "group").read_text() + f"agent:x:{SANDBOX_UID}:\n"
         (self._dir / "passwd").write_text(passwd)
@@ -353,13 +391,13 @@ class BwrapSandbox(ShellSandbox):
     # --- building the command line ------------------------------------------------------------
     def _argv(self, binds: list[str], env: dict[str, str], command: list[str], info_fd: int | None = None,
               verifier: bool = False) -> list[str]:
-        """`verifier`: the verifier jail of a task on a prepared layer (root inside, the test
-        tools layer on top)."""
+        """`verifier`: the verifier's jail (on a prepared layer: the test tools on top)."""
+        if self.prepared is not None:
+            return self._layer_argv(binds, env, command, info_fd, verifier)
         src = str(self._base / ".rootfs-mnt") if self._as_root else str(self.rootfs)
         workdir = self.task.workdir
         top = workdir.split("/")[1]
-        harbor_root = verifier and self.prepared is not None
-        uid = 0 if harbor_root else SANDBOX_UID
+        uid = SANDBOX_UID
         args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", str(uid),
                 "--gid", str(uid), "--hostname", "sandbox", "--clearenv"]
@@ -369,66 +407,74 @@ class BwrapSandbox(ShellSandbox):
                     "TERM": "dumb", "SHELL": "/bin/bash"}
         for k, v in {**base_env, **env}.items():
             args += ["--setenv", k, v]
-        if harbor_root:
-            # root may write anywhere, as in Harbor's container: / is a fresh tmpfs (sized like
-            # /tmp) that dies with the jail, under the same read-only binds; chroot needs its cap
-            args += ["--cap-add", "CAP_SYS_CHROOT", "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/"]
-        if self.prepared is not None:
-            from minirsi.layers import top_level
-
-            entries = top_level(self.prepared, self.rootfs, verifier)
-        else:
-            entries = {e.name: Path(e.path) for e in os.scandir(self.rootfs)}
+        entries = {e.name: Path(e.path) for e in os.scandir(self.rootfs)}
         for name, path in sorted(entries.items()):
             if name in ("proc", "dev", "sys", "tmp"):
                 continue
             if path.is_symlink():
                 args += ["--symlink", os.readlink(path), f"/{name}"]
-            elif path.is_dir() and (self.prepared is not None or any(os.scandir(path))):
+            elif path.is_dir() and any(os.scandir(path)):
                 args += ["--ro-bind", f"{src}/{name}", f"/{name}"]
             elif path.is_dir():
                 args += ["--dir", f"/{name}"]
             else:
                 args += ["--ro-bind", f"{src}/{name}", f"/{name}"]
-        if self.prepared is not None:  # on a layer every top-level directory is bound: the workdir must exist
-            roots = [*self.prepared.lowers(verifier), self.rootfs]
-            if top in entries and not any((r / workdir.lstrip("/")).is_dir() for r in roots):
-                raise SandboxError(f"workdir {workdir} lies in the layer's read-only /{top} and does not exist there. "
-                                   f"Fix: add WORKDIR {workdir} to the Dockerfile (then prepare again), or choose "
-                                   "another workdir in task.toml")
-        elif (self.rootfs / top).is_symlink() or ((self.rootfs / top).is_dir() and any(os.scandir(self.rootfs / top))):
+        if (self.rootfs / top).is_symlink() or ((self.rootfs / top).is_dir() and any(os.scandir(self.rootfs / top))):
             if not (self.rootfs / workdir.lstrip("/")).is_dir():
                 raise SandboxError(f"workdir {workdir} lies in the rootfs's /{top}, which is read-only and has no {workdir}. "
                                    "Fix: choose a workdir whose first component is not in the rootfs (e.g. /app)")
         args += ["--proc", "/proc", "--dev", "/dev", "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/tmp",
                  "--ro-bind", str(self._dir / "passwd"), "/etc/passwd", "--ro-bind", str(self._dir / "group"), "/etc/group",
                  "--bind", str(self.workdir_host), workdir, *binds]
-        if not harbor_root:
-            # bwrap's root is a tmpfs the sandbox uid owns: make it read-only (no writes to
-            # /x, /home, /opt; no filling memory through it).
-            args += ["--remount-ro", "/"]
+        # bwrap's root is a tmpfs the sandbox uid owns: make it read-only (no writes to /x,
+        # /home, /opt; no filling memory through it).
+        args += ["--remount-ro", "/"]
         args += ["--chdir", workdir, *command]
         limits = [f"--nproc={self._nproc()}", f"--as={self.memory_mb << 20}", f"--fsize={self.file_size_mb << 20}",
                   "--core=0", "--nofile=1024"]
         if not self._as_root:
             return ["prlimit", *limits, "--", *args]
-        # Private mount namespace: bind the rootfs where the unprivileged uid can reach it; on a
-        # prepared layer, mount the read-only overlay of layers over rootfs there instead.
-        mount, source = 'mount --bind "$1" "$2" && shift 2 && exec "$@"', str(self.rootfs)
-        if self.prepared is not None:
-            from minirsi.layers import mount_lowers
+        # Private mount namespace: bind the rootfs where the unprivileged uid can reach it.
+        return ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
+                "sh", str(self.rootfs), src, *self._drop(limits), *args]
 
-            mount = 'mount -t overlay overlay -o "ro,lowerdir=$1" "$2" && shift 2 && exec "$@"'
-            source = mount_lowers(self.prepared, self.rootfs, verifier)
-            if verifier and self.prepared.tools_dir is not None:
-                # the test tools over the layer's empty mount point (bwrap's binds of /opt are
-                # recursive and read-only); done here, as root, since the sandbox uid may not be
-                # able to traverse the layer cache
-                mount = mount.replace(" && shift 2", f' && mount --bind {shlex.quote(str(self.prepared.tools_dir))} '
-                                      '"$2/opt/minirsi-tools" && shift 2')
-        return ["unshare", "-m", "--propagation", "private", "sh", "-c", mount,
-                "sh", source, src, "prlimit", *limits, "--", "setpriv", f"--reuid={self.host_uid}",
-                f"--regid={self.host_uid}", "--clear-groups", "--inh-caps=-all", "--", *args]
+    def _drop(self, limits: list[str]) -> list[str]:
+        """prlimit, then setpriv to the sandbox's host uid (root mode)."""
+        return ["prlimit", *limits, "--", "setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}",
+                "--clear-groups", "--inh-caps=-all", "--"]
+
+    def _layer_argv(self, binds: list[str], env: dict[str, str], command: list[str], info_fd: int | None,
+                    verifier: bool) -> list[str]:
+        """A jail on prepared layers: root (uid 0 inside, the sandbox's host uid outside) on the
+        episode's writable root, the same for the agent, the setup script and the verifier (as one
+        container is in Harbor); Docker's default capabilities, inside the user namespace only."""
+        from minirsi.layers import DOCKER_CAPS, TOOLS_DIR
+
+        workdir, mnt = self.task.workdir, str(self._base / ".rootfs-mnt")
+        args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", "0", "--gid", "0",
+                "--hostname", "sandbox", "--clearenv"]
+        if info_fd is not None:
+            args += ["--info-fd", str(info_fd)]
+        base_env = {"PATH": PATH, "HOME": "/root", "USER": "root", "LOGNAME": "root", "LANG": "C.UTF-8",
+                    "TERM": "dumb", "SHELL": "/bin/bash"}
+        for k, v in {**base_env, **env}.items():
+            args += ["--setenv", k, v]
+        args += ["--cap-drop", "ALL", *[a for c in DOCKER_CAPS for a in ("--cap-add", c)],
+                 "--bind", mnt, "/", "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", *binds,
+                 "--chdir", workdir, *command]
+        limits = [f"--nproc={self._nproc()}", f"--as={self.memory_mb << 20}", f"--fsize={self.file_size_mb << 20}",
+                  "--core=0", "--nofile=1024"]
+        mount = [sys.executable, "-I", "-S", str(OVERLAY_ROOT), "--uid", str(self.host_uid),
+                 *[a for layer in [*self.prepared.lowers(verifier), self.rootfs] for a in ("--lower", str(layer))],
+                 "--stage", str(self._dir / "stage"), "--upper", str(self._dir / "upper"), "--target", mnt,
+                 "--workdir", workdir]
+        if verifier:  # the mount points of run_verifier's binds
+            mount += ["--dir", "/tests", "--dir", "/logs/verifier", "--dir", SHIM_BIN]
+            if self.prepared.tools_dir is not None:
+                mount += ["--bind", str(self.prepared.tools_dir), TOOLS_DIR]
+            mount += [a for pin in verifier_pins([*self.prepared.lowers(verifier), self.rootfs]) for a in ("--pin", pin)]
+        return ["unshare", "-m", "--propagation", "private", *mount, "--", *self._drop(limits), *args]
 
     def _nproc(self) -> int:
         if self._as_root:
@@ -629,7 +675,7 @@ class BwrapSandbox(ShellSandbox):
                 # it), then tools test.sh `pip install`ed into the image's Python
                 pythonpath = [env.get("PYTHONPATH"), self.prepared.env.get("PYTHONPATH"),
                               TOOLS_DIR if self.prepared.system_tools else None]
-                env = {**self.prepared.env, **env, "HOME": "/tmp", "USER": "root", "LOGNAME": "root",
+                env = {**self.prepared.env, **env, "HOME": "/root", "USER": "root", "LOGNAME": "root",
                        "PATH": f"{SHIM_BIN}:{self.prepared.env.get('PATH', PATH)}",
                        "PYTHONPATH": ":".join(p for p in pythonpath if p is not None)}
             out, code, timed_out = self._oneshot(binds, env, ["/bin/bash", f"/tests/{script}"], timeout,
