@@ -78,6 +78,7 @@ SHIM_BIN = "/opt/minirsi/bin"
 SHIM_SOURCE = Path(__file__).parent / "verifier_shims.py"
 SHIMS = ("apt-get", "apt", "curl", "uv", "uvx", "sudo", "pip", "pip3", "pytest")
 OVERLAY_ROOT = Path(__file__).parent / "overlay_root.py"
+SWEEP_SECONDS = 20.0  # how long the final sweep waits for a killed process to go
 HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"
 # What the verifier takes from the pristine image rather than from the episode (on a layer): what
 # test.sh and the stand-ins run (the shell, env, the Python interpreter, its standard library and
@@ -589,13 +590,19 @@ class BwrapSandbox(ShellSandbox):
         """Kill anything left running as this sandbox's uid (root mode only: the uid is ours)."""
         if not self._as_root:
             return
-        for _ in range(100):
+        # A killed process in uninterruptible sleep (a write to the disk, under load) dies only
+        # when that returns: wait for it, up to a deadline, with a growing pause between rounds.
+        started, pause = time.monotonic(), 0.002
+        while True:
             pids = _pids_of_uid(self.host_uid)
             if not pids:
                 return
+            if time.monotonic() - started > SWEEP_SECONDS:
+                raise SandboxError(f"processes of sandbox uid {self.host_uid} survived {SWEEP_SECONDS:.0f} s of kill "
+                                   f"rounds: {sorted(pids)[:10]}")
             _kill_all(pids)
-            time.sleep(0.005)
-        raise SandboxError(f"processes of sandbox uid {self.host_uid} survived 100 kill rounds")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     # --- one-shot jails: setup and verifier ------------------------------------------------------
     def _oneshot(self, binds: list[str], env: dict[str, str], command: list[str], timeout: float,
