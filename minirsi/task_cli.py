@@ -28,7 +28,7 @@
 
 The oracle gets ``solution/`` uploaded to /tmp/solution (through the shell, in base64 chunks)
 and runs ``bash /tmp/solution/solve.sh`` from the workdir (TB1: solution.sh) with the agent's
-timeout. Harbor mounts it at /solution; minirsi's root filesystem is read-only, hence /tmp.
+timeout. Harbor mounts it at /solution; on the base rootfs minirsi's root is read-only, hence /tmp.
 """
 
 from __future__ import annotations
