@@ -335,6 +335,24 @@ def test_the_episode_root_is_like_a_containers(layers):
 
 
 @pytest.mark.slow
+def test_memory_is_a_cgroup_of_the_whole_jail_where_the_host_has_one(layers):
+    # Chromium, V8 and the JVM reserve far more address space than they use: a per-process
+    # address-space limit kills them at start, Docker's cgroup limit does not
+    from minirsi.sandbox.bwrap import _memory_cgroup_parent
+
+    if _memory_cgroup_parent() is None:
+        pytest.skip("this host gives no writable memory cgroup (the address-space limit stands)")
+    reserve = "python3 -c 'import mmap; m = mmap.mmap(-1, 16 << 30, flags=mmap.MAP_PRIVATE, prot=0); print(\"reserved\")'"
+    with open_sandbox(layers[0], memory_mb=256) as sb:
+        cgroup = sb._cgroup.path
+        limit = (cgroup / ("memory.limit_in_bytes" if sb._cgroup.version == "v1" else "memory.max")).read_text()
+        r = sb.run(f"{reserve}; ulimit -v; python3 -c 'x = bytearray(512 << 20)'; echo status $?", timeout=30)
+    lines = r.output.splitlines()  # (bash reports the kill in between)
+    assert lines[:2] == ["reserved", "unlimited"] and lines[-1] == "status 137" and int(limit) == 256 << 20, r.output
+    assert not cgroup.exists()  # removed with the sandbox
+
+
+@pytest.mark.slow
 def test_the_verifier_sees_the_agents_changes_anywhere_but_not_its_runtime(layers, tmp_path):
     # the agent's files outside the workdir reach the verifier (as in Harbor's one container);
     # what test.sh itself runs (bash, python and its libraries, the loader) is the image's

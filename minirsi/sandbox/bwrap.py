@@ -38,9 +38,11 @@ lock file) and runs bwrap as that uid (``setpriv``): RLIMIT_NPROC (``pids``) the
 this sandbox's processes, and the uid also finds every one of them for the final sweep. The
 rootfs may sit under /root (mode 0700), which that uid cannot traverse, so the launch first
 enters a private mount namespace (``unshare -m``) and binds the rootfs at a world-readable
-mount point there; the host's mounts are untouched. Memory is RLIMIT_AS per process
-(``memory_mb``; a departure from a cgroup limit on the whole jail, which needs a writable cgroup
-v2 tree), file size is RLIMIT_FSIZE, time is the per-command timeout.
+mount point there; the host's mounts are untouched. Memory (``memory_mb``): on a layer, where
+the host gives root a writable memory cgroup (v1, or v2 with the controller delegated), a cgroup
+of the whole jail, as Docker's limit is (a process past it is killed; address space that is only
+reserved, as Chromium, V8 and the JVM reserve it, costs nothing); otherwise RLIMIT_AS per process.
+File size is RLIMIT_FSIZE, time is the per-command timeout.
 Run as a normal user instead, bwrap maps that user's uid and RLIMIT_NPROC counts all of the
 user's processes: the limit is set to (the user's current process count + pids).
 
@@ -136,6 +138,68 @@ def _base_dir() -> Path:
     return base
 
 
+def _memory_cgroup_parent() -> tuple[Path, str] | None:
+    """Where a sandbox's memory cgroup can be made (root only): (this process's memory cgroup
+    directory, "v1" or "v2"), or None (then memory is a per-process address-space limit)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+        groups = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:  # "... - cgroup cgroup rw,memory" (v1) or "... - cgroup2 cgroup2 rw" (v2)
+        fields = line.split()
+        fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
+        mount = Path(fields[4])
+        if fstype == "cgroup" and "memory" in options:
+            rel = next((g.split(":", 2)[2] for g in groups if "memory" in g.split(":", 2)[1].split(",")), None)
+            version = "v1"
+        elif fstype == "cgroup2" and "memory" in (mount / "cgroup.controllers").read_text().split():
+            rel = next((g.split(":", 2)[2] for g in groups if g.startswith("0::")), None)
+            version = "v2"
+        else:
+            continue
+        d = mount / (rel or "/").lstrip("/")
+        if version == "v2" and "memory" not in (d / "cgroup.subtree_control").read_text().split():
+            continue  # v2 hands the controller to children only when the parent delegates it
+        if d.is_dir() and os.access(d, os.W_OK):
+            return d, version
+    return None
+
+
+class _MemoryCgroup:
+    """A memory cgroup of one sandbox: the whole jail's memory is limited, as Docker's is."""
+
+    def __init__(self, parent: tuple[Path, str], name: str, limit_bytes: int):
+        self.path, self.version = parent[0] / f"minirsi-{name}", parent[1]
+        self.path.mkdir()
+        try:
+            if self.version == "v1":
+                (self.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+                try:  # no swapping past the limit, where swap accounting is on
+                    (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+                except OSError:
+                    pass
+            else:
+                (self.path / "memory.max").write_text(str(limit_bytes))
+                (self.path / "memory.swap.max").write_text("0")
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        for _ in range(100):  # empty once the jail's processes are reaped
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.02)
+        logger.warning("could not remove the memory cgroup %s", self.path)
+
+
 class _UidLease:
     """A host uid no other live sandbox holds (an flock on base/.uids/<uid>)."""
 
@@ -179,6 +243,12 @@ def remove_stale(base: Path) -> int:
         finally:
             os.close(fd)  # closing also drops the lock if we took it
         shutil.rmtree(d, ignore_errors=True)
+        cgroup = _memory_cgroup_parent()
+        if cgroup is not None:
+            try:
+                (cgroup[0] / f"minirsi-{d.name}").rmdir()
+            except OSError:
+                pass
         removed += 1
     return removed
 
@@ -305,11 +375,15 @@ class BwrapSandbox(ShellSandbox):
         self._init: int | None = None  # host pid of the shell jail's init
         self._info_fd: int | None = None  # read end of bwrap's --info-fd, until the shell is ready
         self._runs = 0
+        self._cgroup: _MemoryCgroup | None = None  # on a layer, where this host has one
         try:
             if self._as_root:
                 remove_stale(self._base)
             self._dir = Path(tempfile.mkdtemp(prefix=f"{self.host_uid}-{task.task_id[:40]}-", dir=self._base))
             os.chmod(self._dir, 0o755)
+            parent = _memory_cgroup_parent() if self.prepared is not None else None
+            if parent is not None:
+                self._cgroup = _MemoryCgroup(parent, self._dir.name, self.memory_mb << 20)
             self.workdir_host = self._dir / "work"
             self._populate()
             if task.setup_script is not None:
@@ -464,12 +538,16 @@ class BwrapSandbox(ShellSandbox):
         args += ["--cap-drop", "ALL", *[a for c in DOCKER_CAPS for a in ("--cap-add", c)],
                  "--bind", mnt, "/", "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", *binds,
                  "--chdir", workdir, *command]
-        limits = [f"--nproc={self._nproc()}", f"--as={self.memory_mb << 20}", f"--fsize={self.file_size_mb << 20}",
-                  "--core=0", "--nofile=1024"]
+        # memory: the jail's cgroup where there is one (Chromium, V8 and the JVM reserve far more
+        # address space than they use), else the per-process address-space limit
+        memory = [] if self._cgroup is not None else [f"--as={self.memory_mb << 20}"]
+        limits = [f"--nproc={self._nproc()}", *memory, f"--fsize={self.file_size_mb << 20}", "--core=0", "--nofile=1024"]
         mount = [sys.executable, "-I", "-S", str(OVERLAY_ROOT), "--uid", str(self.host_uid),
                  *[a for layer in [*self.prepared.lowers(verifier), self.rootfs] for a in ("--lower", str(layer))],
                  "--stage", str(self._dir / "stage"), "--upper", str(self._dir / "upper"), "--target", mnt,
                  "--workdir", workdir]
+        if self._cgroup is not None:
+            mount += ["--cgroup", str(self._cgroup.path)]
         if verifier:  # the mount points of run_verifier's binds
             mount += ["--dir", "/tests", "--dir", "/logs/verifier", "--dir", SHIM_BIN]
             if self.prepared.tools_dir is not None:
@@ -708,6 +786,8 @@ class BwrapSandbox(ShellSandbox):
             try:
                 self._kill_jail()
             finally:
+                if self._cgroup is not None:
+                    self._cgroup.remove()
                 if self._dir is not None:
                     shutil.rmtree(self._dir, ignore_errors=True)
                 if self._lease is not None:

@@ -208,10 +208,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--dir", action="append", default=[], help="a mount point the jail needs: a real directory")
     p.add_argument("--bind", nargs=2, action="append", default=[], metavar=("SRC", "PATH"),
                    help="bind SRC read-only at PATH inside the root")
+    p.add_argument("--cgroup", help="a cgroup directory this process (and so the jail) joins first")
     p.add_argument("--pin", action="append", default=[], help="a path the verifier takes from the pristine image")
     args = p.parse_args(argv[:split])
     command = argv[split + 1:]
 
+    if args.cgroup:
+        with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
     userns = _userns(args.uid)
     staged = []
     for i, layer in enumerate(args.lower):
