@@ -1,16 +1,22 @@
 """Read a task's ``environment/Dockerfile`` into the steps the local backend can replay.
 
-The bubblewrap backend has no image registry: every task runs on one base root filesystem
-(``~/.cache/minirsi/rootfs``: Debian 12 bookworm, Python 3.11). A Dockerfile is replayed on top
-of it (minirsi/layers.py) instruction by instruction, as ``docker build`` would:
+The bubblewrap backend has no image registry: every task runs on a base root filesystem,
+``~/.cache/minirsi/rootfs`` (Debian 12 bookworm, Python 3.11), or for the images that are
+Debian 13 today ``~/.cache/minirsi/rootfs-trixie`` (Debian 13 trixie, Python 3.13; built by
+``minirsi task prepare`` when a task first needs it: minirsi/layers.py ``base_rootfs``). A
+Dockerfile is replayed on top of it (minirsi/layers.py) instruction by instruction, as
+``docker build`` would:
 
 =============  ===========================================================================
 instruction    what the local backend does
 =============  ===========================================================================
-FROM           ``debian:*``, ``ubuntu:*``, ``python:*``, ``minirsi-base:*`` (any registry prefix, e.g.
-               ``ghcr.io/.../t-bench/ubuntu-24-04``) map to the base rootfs; the versions
-               that differ are listed in ``Dockerfile.notes`` (Ubuntu 24.04 -> Debian 12,
-               Python 3.13 -> 3.11). A ``python:*`` image also gets ``pip`` and ``python``.
+FROM           ``debian:trixie``, ``debian:13*``, ``debian:stable*``, ``debian:latest`` and
+               ``debian`` map to the Debian 13 rootfs (``Dockerfile.release`` "trixie");
+               every other ``debian:*``, ``ubuntu:*``, ``python:*``, ``minirsi-base:*`` (any
+               registry prefix, e.g. ``ghcr.io/.../t-bench/ubuntu-24-04``) to the Debian 12
+               one; the versions that differ are listed in ``Dockerfile.notes`` (Ubuntu
+               24.04 -> Debian 12, Python 3.13 -> 3.11). A ``python:*`` image also gets
+               ``pip`` and ``python``.
                Any other image, a second FROM (multi-stage) or a CUDA image is an error.
 WORKDIR        created; the last one is the task's workdir unless task.toml sets one
 ENV, ARG       substituted (``$X``, ``${X}``, ``${X:-default}``) as Docker does; ENV also
@@ -28,7 +34,7 @@ honoured: ``DockerfileError`` names the file, the line and the way out (``--back
 
 Call::
 
-    df = parse_dockerfile(task.dockerfile)    # Dockerfile(steps, env, workdir, notes, base)
+    df = parse_dockerfile(task.dockerfile)    # Dockerfile(steps, env, workdir, notes, base, release)
 """
 
 from __future__ import annotations
@@ -39,7 +45,12 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BASE_DESCRIPTION = "Debian 12 bookworm, Python 3.11"
+BASE_DESCRIPTION = "Debian 12 bookworm, Python 3.11; Debian 13 trixie for debian:trixie/13/stable/latest"
+RELEASES = {"bookworm": "Debian 12 bookworm", "trixie": "Debian 13 trixie"}
+"""The base rootfs releases: Dockerfile.release -> what it is."""
+# The debian tags that are Debian 13 today (stable and latest since August 2025): trixie, 13,
+# 13.0, 13-slim, 13.1-slim, stable, stable-slim, stable-20250811, latest (also a missing tag).
+_TRIXIE_TAG = re.compile(r"(trixie|13|13\.\d+|stable|latest)([.-]|$)")
 _IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "VOLUME", "HEALTHCHECK", "STOPSIGNAL", "MAINTAINER"}
 _DISTROS = ("debian", "ubuntu", "python", "buildpack-deps", "minirsi-base")  # minirsi-base: the rootfs itself
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?::?([-+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
@@ -84,6 +95,9 @@ class Dockerfile:
     """How the local layer differs from the image (version differences, ignored lines)."""
     python_image: bool = False
     """FROM python:*: the layer gets pip and a ``python`` command as the image has."""
+    release: str = "bookworm"
+    """The base rootfs the layer sits on (a key of RELEASES): "trixie" for the debian images
+    that are Debian 13 (map_base), else "bookworm"."""
 
 
 _HEREDOC = re.compile(r"<<(-?)[\"']?([A-Za-z_][A-Za-z0-9_]*)[\"']?")
@@ -164,8 +178,10 @@ def _pairs(rest: str, lineno: int, path: Path, text: str) -> list[tuple[str, str
     return pairs
 
 
-def map_base(image: str, lineno: int, path: Path, text: str) -> tuple[list[str], bool]:
-    """FROM image -> (notes on what differs, is a python image); DockerfileError if unmapped."""
+def map_base(image: str, lineno: int, path: Path, text: str) -> tuple[list[str], bool, str]:
+    """FROM image -> (notes on what differs, is a python image, base release: "bookworm" or
+    "trixie"); DockerfileError if unmapped. ``debian`` images that are Debian 13 today (trixie,
+    13*, stable*, latest, no tag) map to the trixie rootfs; everything else to bookworm."""
     name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "latest")
     last = name.rsplit("/", 1)[-1].lower()
     if "cuda" in image.lower() or "nvidia" in image.lower():
@@ -181,12 +197,14 @@ def map_base(image: str, lineno: int, path: Path, text: str) -> tuple[list[str],
     m = re.search(r"python[-_]?(\d+)[.-](\d+)", last) or re.match(r"(\d+)\.(\d+)", tag)
     if python and m and (m.group(1), m.group(2)) != ("3", "11"):
         notes.append(f"{image}: Python {m.group(1)}.{m.group(2)} in the image, Python 3.11 in the local layer")
+    release = "bookworm"
     if last.startswith("ubuntu"):
         notes.append(f"{image}: Ubuntu in the image, Debian 12 bookworm in the local layer (package versions differ)")
+    elif last == "debian" and _TRIXIE_TAG.match(tag):
+        release = "trixie"  # stable/latest are Debian 13 trixie since August 2025: so is the local layer
     elif last.startswith("debian") and not re.match(r"(bookworm|12)([.-]|$)", tag):
-        # stable/latest are Debian 13 trixie since August 2025, not the local layer's 12
         notes.append(f"{image}: Debian {tag} in the image, Debian 12 bookworm in the local layer")
-    return notes, python
+    return notes, python, release
 
 
 def parse_dockerfile(path: Path | str, build_args: dict[str, str] | None = None) -> Dockerfile:
@@ -212,8 +230,8 @@ def parse_dockerfile(path: Path | str, build_args: dict[str, str] | None = None)
                                       "use --backend docker, or merge the stages into one")
             words = [w for w in rest.split() if not w.startswith("--platform")]
             image = substitute(words[0], variables) if words else ""
-            notes, python = map_base(image, lineno, path, line)
-            df = Dockerfile(path=path, base=image, notes=notes, python_image=python)
+            notes, python, release = map_base(image, lineno, path, line)
+            df = Dockerfile(path=path, base=image, notes=notes, python_image=python, release=release)
             continue
         if op == "ARG":
             for k, v in _pairs(rest, lineno, path, line):

@@ -4,14 +4,22 @@ A task with ``environment/Dockerfile`` runs on a *layer*: a directory holding on
 Dockerfile changed (the overlayfs "upper" of the build), stacked read-only over the shared
 base rootfs when a sandbox opens::
 
-    agent jail      /  =  overlay(lowerdir = env.upper : rootfs, upperdir = the episode's)
-    verifier jail   /  =  overlay(lowerdir = apt.upper : env.upper : rootfs, the same upperdir)
+    agent jail      /  =  overlay(lowerdir = env.upper : base, upperdir = the episode's)
+    verifier jail   /  =  overlay(lowerdir = apt.upper : env.upper : base, the same upperdir)
                     /opt/minirsi-tools  =  pip.upper/opt/minirsi-tools (bind)    read-only
+
+The base (``Prepared.base``) is the rootfs of the FROM image's release (``Dockerfile.release``,
+minirsi/dockerfile.py ``map_base``): $MINIRSI_ROOTFS (Debian 12 bookworm, scripts/setup.sh) for
+most images; for the debian images that are Debian 13 today (trixie, 13*, stable*, latest) a
+Debian 13 trixie rootfs, <rootfs>-trixie or $MINIRSI_ROOTFS_TRIXIE, which ``prepare`` builds
+the first time a task needs it (``ensure_base``: debootstrap, ~2 min and ~420 MB, the packages
+of the bookworm one; built in <dir>.partial and renamed when complete, under an flock).
+Every key below includes the identity of the task's base, so layers never mix bases.
 
 The layers themselves are never written while tasks run: an episode's changes go to its own
 upper directory (minirsi/sandbox/overlay_root.py).
 
-- ``env`` layer, key = sha256(format, base rootfs, every file of environment/): the Dockerfile
+- ``env`` layer, key = sha256(format, the task's base rootfs, every file of environment/): the Dockerfile
   replayed (minirsi/dockerfile.py) by ``prepare``: each RUN runs as root with the machine's
   network in a bubblewrap jail whose root is a writable overlay (upper = the layer), the way
   ``docker build`` runs it. Tasks with the same environment/ share one layer.
@@ -19,8 +27,8 @@ upper directory (minirsi/sandbox/overlay_root.py).
   Terminal-Bench 2 test.sh runs offline (its ``apt-get``, ``curl``, ``uv`` and ``uvx`` are
   stand-ins in the verifier jail: minirsi/sandbox/verifier_shims.py). Only the verifier's jail
   has them; the agent never sees them.
-  ``pip`` layer, key = sha256(format, base rootfs, the pip specs of ``uvx -w`` / ``uv pip
-  install``): ``pip install --target /opt/minirsi-tools`` for the rootfs's Python. It does not
+  ``pip`` layer, key = sha256(format, the task's base rootfs, the pip specs of ``uvx -w`` /
+  ``uv pip install``): ``pip install --target /opt/minirsi-tools`` for the base's Python. It does not
   depend on the environment, so every task with the standard test.sh shares one (pytest and
   pytest-json-ctrf: 15 MB). When test.sh installs them with ``pip install`` (into the image's
   Python, in Docker) they are also on the verifier's PYTHONPATH (``Prepared.system_tools``).
@@ -35,8 +43,11 @@ Preparation needs root (dpkg chowns files to system users; overlayfs upper dirs 
 
 Call::
 
-    prepared, built = prepare(task)        # build what is missing (network), else reuse
-    prepared = find_prepared(task)         # None if not prepared (no work, no network)
+    prepared, built = prepare(task, rootfs)   # build what is missing (network), else reuse
+    prepared = find_prepared(task, rootfs)    # None if not prepared (no work, no network)
+
+(``rootfs``: the Debian 12 one, minirsi.sandbox.bwrap.default_rootfs(); a trixie task's base is
+its sibling, ``base_rootfs``.)
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from minirsi.dockerfile import Dockerfile, DockerfileError, Step, parse_dockerfile
+from minirsi.dockerfile import RELEASES, Dockerfile, DockerfileError, Step, parse_dockerfile
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +92,10 @@ _CLEANUP = ("rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/cach
             "2>/dev/null; true")
 _PREFIXES = ("sudo", "env", "exec", "command", "time", "nice")
 _SHIMMED_APT = {"curl"}
+# The packages of every base rootfs (scripts/setup.sh's bookworm one has the same list; a test checks).
+ROOTFS_PACKAGES = "python3,python3-pytest,git,procps,tar,gzip,bzip2,xz-utils,zip,unzip,bc,gawk,findutils,diffutils,patch"
+MIRROR = "http://deb.debian.org/debian"
+BASE_TIMEOUT = 1800.0  # seconds debootstrap may take for a base rootfs
 # What a python:* image has and Debian's python3 lacks: pip, a `python` command, the headers C
 # extensions build against (a test may `setup.py build_ext`), venv; no EXTERNALLY-MANAGED marker.
 _PYTHON_IMAGE = ("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
@@ -127,9 +142,12 @@ class ToolSpec:
 
 @dataclass(frozen=True)
 class Prepared:
-    """The layers of one task and what its Dockerfile set."""
+    """The layers of one task, the base rootfs they sit on and what its Dockerfile set."""
 
     env_layer: Layer
+    base: Path
+    """The base rootfs below the layers (the bottom lower dir): the Debian 12 rootfs, or the
+    Debian 13 one for a debian image that is Debian 13 (base_rootfs)."""
     apt_layer: Layer | None = None
     """test.sh's apt packages, for the verifier only."""
     pip_layer: Layer | None = None
@@ -142,7 +160,7 @@ class Prepared:
     `pip install pytest ...` runs the prepared pytest, as the image's Python would in Docker."""
 
     def lowers(self, verifier: bool = False) -> list[Path]:
-        """The layers' upper dirs, top first (the rootfs goes below them)."""
+        """The layers' upper dirs, top first (``base`` goes below them)."""
         top = [self.apt_layer.upper] if verifier and self.apt_layer is not None else []
         return top + [self.env_layer.upper]
 
@@ -150,6 +168,73 @@ class Prepared:
     def tools_dir(self) -> Path | None:
         """The host directory the verifier sees at /opt/minirsi-tools."""
         return self.pip_layer.upper / TOOLS_DIR.lstrip("/") if self.pip_layer is not None else None
+
+
+# --- base rootfs -----------------------------------------------------------------------------------
+def base_rootfs(release: str, rootfs: Path) -> Path:
+    """The base rootfs of a release (Dockerfile.release): ``rootfs`` itself for bookworm (the
+    Debian 12 one, $MINIRSI_ROOTFS); for trixie $MINIRSI_ROOTFS_TRIXIE, else the sibling
+    ``<rootfs>-trixie`` (~/.cache/minirsi/rootfs-trixie)."""
+    if release == "bookworm":
+        return rootfs
+    override = os.environ.get(f"MINIRSI_ROOTFS_{release.upper()}")
+    return Path(override) if override else rootfs.parent / f"{rootfs.name}-{release}"
+
+
+def _base_ready(path: Path) -> bool:
+    """A base rootfs is complete once renamed from .partial; its dpkg status is its identity."""
+    return (path / "var/lib/dpkg/status").is_file() and os.path.lexists(path / "usr/bin/bash")
+
+
+def _debootstrap_argv(release: str, target: Path) -> list[str]:
+    return ["debootstrap", "--variant=minbase", f"--include={ROOTFS_PACKAGES}", release, str(target), MIRROR]
+
+
+def ensure_base(release: str, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> tuple[Path, bool]:
+    """The base rootfs of ``release``, built first if missing (network; root): (path, built).
+
+    bookworm's is scripts/setup.sh's and is never built here. Another release's is debootstrapped
+    into ``<path>.partial`` and renamed to ``<path>`` when complete, under an flock on
+    ``<path>.lock``: a killed build leaves nothing that counts, two preparations build it once."""
+    path = base_rootfs(release, rootfs)
+    if release == "bookworm" or _base_ready(path):
+        return path, False
+    by_hand = (f"{shlex.join(_debootstrap_argv(release, Path(f'{path}.partial')))} && "
+               f"mv {shlex.quote(f'{path}.partial')} {shlex.quote(str(path))}")
+    what = f"the {RELEASES.get(release, release)} base rootfs {path}"
+    if shutil.which("debootstrap") is None:
+        raise LayerError(f"{what} is missing and debootstrap is not installed. Fix: apt-get install debootstrap "
+                         f"(scripts/setup.sh does it) and prepare again, or build it yourself: {by_hand}")
+    if os.geteuid() != 0:
+        raise LayerError(f"{what} is missing and building it (debootstrap) needs root. Fix: run `minirsi task "
+                         f"prepare` as root (sudo), or build it yourself as root: {by_hand}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        if _base_ready(path):  # another process built it while we waited
+            return path, False
+        partial = Path(f"{path}.partial")
+        subprocess.run(["rm", "-rf", "--one-file-system", str(partial)], check=False)
+        log(f"building {what} (debootstrap {release}, ~2 min, ~420 MB)")
+        started = time.monotonic()
+        try:
+            r = subprocess.run(_debootstrap_argv(release, partial), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, timeout=BASE_TIMEOUT)
+            out = r.stdout.decode(errors="replace")
+            if r.returncode != 0 or not _base_ready(partial):
+                raise LayerError(f"building {what}: `{shlex.join(_debootstrap_argv(release, partial))}` exited with "
+                                 f"status {r.returncode}; last lines:\n" + "\n".join(out.splitlines()[-15:]))
+        except subprocess.TimeoutExpired as e:
+            raise LayerError(f"building {what}: debootstrap timed out after {BASE_TIMEOUT:.0f} s") from e
+        except BaseException:
+            subprocess.run(["rm", "-rf", "--one-file-system", str(partial)], check=False)
+            raise
+        os.rename(partial, path)
+        log(f"  {what}: {_du(path) / 2**20:.0f} MiB, built in {time.monotonic() - started:.1f} s")
+        return path, True
+    finally:
+        os.close(lock_fd)
 
 
 # --- keys ------------------------------------------------------------------------------------------
@@ -302,18 +387,23 @@ def _dockerfile(task) -> Dockerfile:
 
 
 def find_prepared(task, rootfs: Path) -> Prepared | None:
-    """The task's layers if they are all prepared, else None (no work beyond hashing)."""
+    """The task's layers if they are all prepared, else None (no work beyond hashing).
+
+    ``rootfs``: the Debian 12 rootfs; the task's base is base_rootfs(its release, rootfs)."""
     df = _dockerfile(task)
-    key = environment_key(task, rootfs)
+    base = base_rootfs(df.release, rootfs)
+    if df.release != "bookworm" and not _base_ready(base):
+        return None
+    key = environment_key(task, base)
     env_layer = _layer(key)
     if env_layer is None:
         return None
     spec = read_tool_spec(task.test_script) if task.test_script.is_file() else ToolSpec()
     apt = _layer(apt_key(key, spec.apt)) if spec.apt else None
-    pip = _layer(pip_key(rootfs, spec.pip)) if spec.pip else None
+    pip = _layer(pip_key(base, spec.pip)) if spec.pip else None
     if (spec.apt and apt is None) or (spec.pip and pip is None):
         return None
-    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes), spec.system)
+    return Prepared(env_layer, base, apt, pip, dict(df.env), tuple(df.notes), spec.system)
 
 
 # --- building --------------------------------------------------------------------------------------
@@ -543,19 +633,22 @@ def _pip_steps(where: Path, specs: tuple[str, ...]) -> list[tuple[str, str, dict
 def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> tuple[Prepared, bool]:
     """Build the task's missing layers (with the network); return (prepared, whether anything was built).
 
-    Raises DockerfileError for a line that cannot be honoured and LayerError for a step that failed.
+    ``rootfs``: the Debian 12 rootfs; a task whose base is another release's (Dockerfile.release)
+    gets that base built first if missing (ensure_base). Raises DockerfileError for a line that
+    cannot be honoured and LayerError for a step that failed.
     """
     df = _dockerfile(task)
+    rootfs, built = ensure_base(df.release, rootfs, log)  # from here on, `rootfs` is the task's base
     key = environment_key(task, rootfs)
     timeout = float(task.environment.get("build_timeout_sec", 1800.0))
-    built = False
     env_layer = _layer(key)
     if env_layer is None:
         log(f"{task.task_id}: preparing environment layer {key} from {task.dockerfile}")
         try:
             env_layer = _build(key, [rootfs], _env_steps(df, task.environment_dir), task.environment_dir, timeout,
                                {"kind": "environment", "dockerfile": str(task.dockerfile), "base": df.base,
-                                "notes": df.notes, "env": df.env, "workdir": df.workdir}, log)
+                                "base_rootfs": str(rootfs), "notes": df.notes, "env": df.env, "workdir": df.workdir},
+                               log)
         except LayerError as e:
             if not df.notes:
                 raise
@@ -578,9 +671,9 @@ def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> 
         if pip is None:
             log(f"{task.task_id}: preparing test tools {pkey} ({' '.join(spec.pip)})")
             pip = _build(pkey, [rootfs], _pip_steps(task.test_script, spec.pip), None, timeout,
-                         {"kind": "pip", "pip": spec.pip}, log)
+                         {"kind": "pip", "pip": spec.pip, "base_rootfs": str(rootfs)}, log)
             built = True
-    return Prepared(env_layer, apt, pip, dict(df.env), tuple(df.notes), spec.system), built
+    return Prepared(env_layer, rootfs, apt, pip, dict(df.env), tuple(df.notes), spec.system), built
 
 
 def list_layers() -> list[dict]:

@@ -4,7 +4,9 @@ verifier's offline stand-ins (minirsi/sandbox/verifier_shims.py).
 The fast tests read Dockerfiles and test.sh files and call the stand-ins on the host. The slow
 ones prepare the Terminal-Bench 2 shaped fixture tests/fixtures/tasks/tb2/word-stats (two
 Debian packages and one pip package from the network, plus pytest and pytest-json-ctrf for
-the verifier) into a private layer cache, then play episodes on it.
+the verifier) into a private layer cache, then play episodes on it; and tb2/trixie-release
+(FROM debian:trixie) on the Debian 13 base rootfs, which its preparation debootstraps the first
+time on a machine (~2 min, ~420 MB, kept in ~/.cache/minirsi/rootfs-trixie).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from minirsi.dockerfile import DockerfileError, parse_dockerfile, substitute
-from minirsi.layers import LayerError, ToolSpec, find_prepared, prepare, read_tool_spec
+from minirsi.dockerfile import DockerfileError, map_base, parse_dockerfile, substitute
+from minirsi.layers import (ROOTFS_PACKAGES, LayerError, ToolSpec, base_rootfs, ensure_base, find_prepared, prepare,
+                            read_tool_spec)
 from minirsi.sandbox import SandboxError, open_sandbox
 from minirsi.sandbox import verifier_shims as shims
 from minirsi.sandbox.bwrap import default_rootfs
@@ -30,6 +33,7 @@ from minirsi.verifier import verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
 WORD_STATS = FIXTURES / "tb2" / "word-stats"
+TRIXIE = FIXTURES / "tb2" / "trixie-release"
 
 
 def _dockerfile(tmp_path: Path, text: str) -> Path:
@@ -49,14 +53,91 @@ def test_fixture_dockerfile_steps_env_and_notes():
     assert df.notes == ["python:3.13-slim-bookworm: Python 3.13 in the image, Python 3.11 in the local layer"]
 
 
-@pytest.mark.parametrize("image, differs", [
-    ("debian:bookworm", False), ("debian:12.5-slim", False), ("debian:bookworm-20250520", False),
-    ("debian:13.0-slim", True), ("debian:stable", True), ("debian:latest", True), ("debian:trixie", True),
+@pytest.mark.parametrize("image, release, differs", [
+    ("debian:bookworm", "bookworm", False), ("debian:12.5-slim", "bookworm", False),
+    ("debian:bookworm-20250520", "bookworm", False), ("debian:12", "bookworm", False),
+    # the images that are Debian 13 today (stable/latest since August 2025): the Debian 13 base
+    ("debian:trixie", "trixie", False), ("debian:trixie-20250811-slim", "trixie", False), ("debian:13", "trixie", False),
+    ("debian:13.0-slim", "trixie", False), ("debian:13.1", "trixie", False), ("debian:stable", "trixie", False),
+    ("debian:stable-slim", "trixie", False), ("debian:latest", "trixie", False), ("debian", "trixie", False),
+    ("docker.io/library/debian:stable-slim", "trixie", False),
+    # older and newer Debians stay on bookworm, with a note
+    ("debian:bullseye", "bookworm", True), ("debian:11-slim", "bookworm", True), ("debian:testing", "bookworm", True),
+    ("debian:sid", "bookworm", True), ("debian:130", "bookworm", True),
 ])
-def test_debian_tags_other_than_bookworm_get_a_note(tmp_path, image, differs):
-    # stable/latest have been Debian 13 since August 2025; only 12/bookworm matches the local layer
-    notes = parse_dockerfile(_dockerfile(tmp_path, f"FROM {image}\n")).notes
-    assert bool(notes) == differs and all("Debian 12 bookworm in the local layer" in n for n in notes)
+def test_debian_tags_map_to_their_release(tmp_path, image, release, differs):
+    df = parse_dockerfile(_dockerfile(tmp_path, f"FROM {image}\n"))
+    assert (df.release, bool(df.notes)) == (release, differs)
+    assert all("Debian 12 bookworm in the local layer" in n for n in df.notes)
+    assert map_base(image, 1, tmp_path / "Dockerfile", f"FROM {image}")[2] == release
+
+
+@pytest.mark.parametrize("image", ["ubuntu:24.04", "python:3.13-slim", "python:3.13-slim-trixie", "minirsi-base:bookworm",
+                                   "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624"])
+def test_ubuntu_and_python_images_stay_on_bookworm(tmp_path, image):
+    # python images get the python-image step, written for bookworm's Python 3.11
+    assert parse_dockerfile(_dockerfile(tmp_path, f"FROM {image}\n")).release == "bookworm"
+
+
+def test_base_rootfs_is_a_sibling_or_the_override(tmp_path, monkeypatch):
+    monkeypatch.delenv("MINIRSI_ROOTFS_TRIXIE", raising=False)
+    rootfs = tmp_path / "rootfs"
+    assert base_rootfs("bookworm", rootfs) == rootfs and base_rootfs("trixie", rootfs) == tmp_path / "rootfs-trixie"
+    monkeypatch.setenv("MINIRSI_ROOTFS_TRIXIE", str(tmp_path / "elsewhere"))
+    assert base_rootfs("trixie", rootfs) == tmp_path / "elsewhere" and base_rootfs("bookworm", rootfs) == rootfs
+
+
+def test_setup_sh_builds_the_same_packages_as_the_trixie_base():
+    setup = (Path(__file__).parents[1] / "scripts" / "setup.sh").read_text()
+    assert f"--include={ROOTFS_PACKAGES} " in setup
+
+
+def test_a_missing_trixie_base_is_unprepared_and_without_debootstrap_named(tmp_path, monkeypatch):
+    import minirsi.layers as layers_mod
+
+    monkeypatch.setenv("MINIRSI_ROOTFS_TRIXIE", str(tmp_path / "rootfs-trixie"))
+    monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "layers"))
+    task = load_task(TRIXIE)
+    assert find_prepared(task, default_rootfs()) is None  # no base, no layer: nothing is built or hashed
+    monkeypatch.setattr(layers_mod.shutil, "which", lambda name: None)
+    with pytest.raises(LayerError, match=r"Debian 13 trixie base rootfs .*debootstrap is not installed(.|\n)*"
+                                         r"debootstrap --variant=minbase --include=python3,.* trixie \S+/rootfs-trixie"
+                                         r"\.partial http://deb.debian.org/debian"):
+        prepare(task, default_rootfs())
+    assert not (tmp_path / "rootfs-trixie").exists() and not (tmp_path / "layers").exists()
+    assert ensure_base("bookworm", tmp_path / "rootfs") == (tmp_path / "rootfs", False)  # setup.sh's, never built here
+
+
+def test_the_trixie_base_is_built_once_atomically(tmp_path, monkeypatch):
+    """Two preparations at once run debootstrap once (flock); it builds into <dir>.partial, renamed
+    when complete; a failed one leaves nothing and names the command."""
+    import threading
+
+    import minirsi.layers as layers_mod
+
+    runs = tmp_path / "runs"
+    fake = ('echo run >> "$0"; sleep 0.3; [ -n "$FAIL" ] && { echo "E: Failed getting release file"; exit 1; }; '
+            'mkdir -p "$1/var/lib/dpkg" "$1/usr/bin" && touch "$1/var/lib/dpkg/status" "$1/usr/bin/bash"')
+    monkeypatch.setattr(layers_mod, "_debootstrap_argv", lambda release, target: ["sh", "-c", fake, str(runs), str(target)])
+    monkeypatch.setattr(layers_mod.shutil, "which", lambda name: "/usr/sbin/" + name)
+    monkeypatch.setattr(layers_mod.os, "geteuid", lambda: 0)
+    monkeypatch.delenv("MINIRSI_ROOTFS_TRIXIE", raising=False)
+    monkeypatch.setenv("FAIL", "1")
+    with pytest.raises(LayerError, match=r"building the Debian 13 trixie base rootfs .*rootfs-trixie: `sh -c .*` exited "
+                                         r"with status 1; last lines:\nE: Failed getting release file"):
+        ensure_base("trixie", tmp_path / "rootfs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rootfs-trixie.lock", "runs"]
+    monkeypatch.delenv("FAIL")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_base("trixie", tmp_path / "rootfs")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    base = tmp_path / "rootfs-trixie"
+    assert sorted(results) == [(base, False), (base, True)] and runs.read_text() == "run\nrun\n"  # 1 failed, 1 built
+    assert not (tmp_path / "rootfs-trixie.partial").exists() and ensure_base("trixie", tmp_path / "rootfs") == (base, False)
 
 
 def test_a_failed_run_on_a_differing_base_says_the_base_differs(tmp_path, monkeypatch):
@@ -69,10 +150,10 @@ def test_a_failed_run_on_a_differing_base_says_the_base_differs(tmp_path, monkey
     rootfs = tmp_path / "rootfs"
     (rootfs / "var/lib/dpkg").mkdir(parents=True)
     (rootfs / "var/lib/dpkg/status").write_text("Package: x\n")
-    newer = _variant(tmp_path, "trixie", "FROM debian:13.0-slim\nWORKDIR /app\nRUN apt-get source pmars\n")
-    with pytest.raises(LayerError, match=r"exited with status 100(.|\n)*\(base differs: debian:13.0-slim: Debian "
-                                         r"13.0-slim in the image, Debian 12 bookworm in the local layer\)"):
-        prepare(load_task(newer), rootfs)
+    older = _variant(tmp_path, "bullseye", "FROM debian:bullseye\nWORKDIR /app\nRUN apt-get source pmars\n")
+    with pytest.raises(LayerError, match=r"exited with status 100(.|\n)*\(base differs: debian:bullseye: Debian "
+                                         r"bullseye in the image, Debian 12 bookworm in the local layer\)"):
+        prepare(load_task(older), rootfs)
     same = _variant(tmp_path, "bookworm", "FROM debian:bookworm\nWORKDIR /app\nRUN apt-get source pmars\n")
     with pytest.raises(LayerError) as caught:
         prepare(load_task(same), rootfs)
@@ -602,3 +683,28 @@ def test_the_images_pythonpath_reaches_the_verifier(tmp_path, layers):
         assert sb.run("echo $PYTHONPATH", timeout=10).output == "/opt/lib:\n"  # the agent's, as in the image
         r = verify(sb, task)
     assert r.success and (r.passed, r.total) == (1, 1), r.output_tail
+
+
+@pytest.mark.slow
+def test_a_trixie_image_runs_on_the_debian_13_base(tmp_path, monkeypatch):
+    """FROM debian:trixie: the layer sits on the Debian 13 rootfs (built here the first time on a
+    machine); its RUN checks the release, and the oracle and the verifier see Debian 13 and
+    Python 3.13 (the pip tools layer is installed for that Python)."""
+    if os.geteuid() != 0:
+        pytest.skip("environment layers need root (preparation and the overlay mount)")
+    monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "layers"))
+    task = load_task(TRIXIE)
+    prepared, built = prepare(task, default_rootfs())
+    base = base_rootfs("trixie", default_rootfs())
+    assert built and prepared.base == base != default_rootfs() and not prepared.notes
+    assert 'VERSION_ID="13"' in (base / "etc/os-release").read_text()
+    assert prepared.env_layer.meta["base_rootfs"] == str(base) and prepared.pip_layer.meta["base_rootfs"] == str(base)
+    assert find_prepared(task, default_rootfs()) == prepared
+    with open_sandbox(task) as sb:
+        assert sb.prepared.base == base
+        r = sb.run(". /etc/os-release; echo $VERSION_CODENAME; pwd; ls", timeout=20)
+    assert r.output.split("\n")[:3] == ["trixie", "/app", "format.txt"]
+    row = check_task(task, "bwrap")
+    assert row.ok, row.reasons()
+    assert (row.oracle.passed, row.oracle.total) == (2, 2) and (row.empty.passed, row.empty.total) == (0, 2)
+    assert row.empty_all_failing and not row.notes

@@ -8,23 +8,24 @@ The jail of one episode::
     <workdir>      read-write: a fresh host copy of environment/ (minus Dockerfile and setup)
     /etc/passwd    the rootfs's, plus `agent` (uid 1000, HOME=/tmp)
 
-A task with ``environment/Dockerfile`` runs on its prepared layers (minirsi/layers.py) the way
-Harbor runs it in one Docker container: the agent, the setup script and then the verifier are
-root (uid 0 inside, still the unprivileged host uid outside, with Docker's default capabilities
-inside the user namespace only) on one writable root per episode: an overlay of the layers over
-the rootfs whose changes go to the sandbox's own directory and die with it (overlay_root.py,
-which mounts the layers idmapped so that the jail's root owns the image's files). The agent may
-write anywhere (``/usr/local/bin``, ``/etc``, ``useradd``); /tmp and the workdir are one mount
-(``mv /app/x /tmp`` works); the verifier sees every change; the layers, the rootfs, other
-episodes and the host see none. The verifier adds /tests (a writable throwaway copy, as
-Harbor's), the test tools (read-only, /opt/minirsi-tools) and the offline stand-ins of
-verifier_shims.py first on PATH (/opt/minirsi/bin), HOME=/root. What test.sh itself runs (bash,
-env, the Python interpreter, its standard library and system site-packages, the shared
-libraries, the loader's configuration: ``verifier_pins``) is taken from the pristine image,
-not from the episode, so an agent cannot forge the reward by replacing them; the agent's
-programs that a test executes still run with the verifier's rights (a property of the task).
-No agent process survives into the verifier (Harbor keeps them: a server the agent leaves
-running is gone here). The disk an episode may fill is bounded only per file (``file_size_mb``).
+A task with ``environment/Dockerfile`` runs on its prepared layers (minirsi/layers.py) over its
+base rootfs (``Prepared.base``: $MINIRSI_ROOTFS, or the Debian 13 one for a debian image that is
+Debian 13 today) the way Harbor runs it in one Docker container: the agent, the setup script and
+then the verifier are root (uid 0 inside, still the unprivileged host uid outside, with Docker's
+default capabilities inside the user namespace only) on one writable root per episode: an
+overlay of the layers over the base rootfs whose changes go to the sandbox's own directory and
+die with it (overlay_root.py, which mounts the layers idmapped so that the jail's root owns the
+image's files). The agent may write anywhere (``/usr/local/bin``, ``/etc``, ``useradd``); /tmp
+and the workdir are one mount (``mv /app/x /tmp`` works); the verifier sees every change; the
+layers, the rootfs, other episodes and the host see none. The verifier adds /tests (a writable
+throwaway copy, as Harbor's), the test tools (read-only, /opt/minirsi-tools) and the offline
+stand-ins of verifier_shims.py first on PATH (/opt/minirsi/bin), HOME=/root. What test.sh itself
+runs (bash, env, the Python interpreter, its standard library and system site-packages, the
+shared libraries, the loader's configuration: ``verifier_pins``) is taken from the pristine
+image, not from the episode, so an agent cannot forge the reward by replacing them; the agent's
+programs that a test executes still run with the verifier's rights (a property of the task). No
+agent process survives into the verifier (Harbor keeps them: a server the agent leaves running
+is gone here). The disk an episode may fill is bounded only per file (``file_size_mb``).
 
 namespaces: user (uid/gid 1000 inside on the base rootfs, 0 on a layer), pid, net (no interface
 but loopback: offline), ipc, uts; ``--die-with-parent`` and ``--new-session``. ``tests/`` and
@@ -439,7 +440,7 @@ class BwrapSandbox(ShellSandbox):
         layer's (its COPY and RUN results), created at the first mount if the layer lacks it."""
         for d in ("upper", "stage"):
             (self._dir / d).mkdir()
-        if not any(os.path.lexists(layer / "etc/hosts") for layer in [*self.prepared.lowers(), self.rootfs]):
+        if not any(os.path.lexists(layer / "etc/hosts") for layer in [*self.prepared.lowers(), self.prepared.base]):
             etc = self._dir / "upper" / "u" / "etc"  # merged with the image's /etc
             etc.mkdir(parents=True)
             (etc / "hosts").write_text(HOSTS)
@@ -520,9 +521,10 @@ class BwrapSandbox(ShellSandbox):
 
     def _layer_argv(self, binds: list[str], env: dict[str, str], command: list[str], info_fd: int | None,
                     verifier: bool) -> list[str]:
-        """A jail on prepared layers: root (uid 0 inside, the sandbox's host uid outside) on the
-        episode's writable root, the same for the agent, the setup script and the verifier (as one
-        container is in Harbor); Docker's default capabilities, inside the user namespace only."""
+        """A jail on prepared layers over their base rootfs (``prepared.base``, not ``self.rootfs``):
+        root (uid 0 inside, the sandbox's host uid outside) on the episode's writable root, the same
+        for the agent, the setup script and the verifier (as one container is in Harbor); Docker's
+        default capabilities, inside the user namespace only."""
         from minirsi.layers import DOCKER_CAPS, TOOLS_DIR
 
         workdir, mnt = self.task.workdir, str(self._base / ".rootfs-mnt")
@@ -543,7 +545,7 @@ class BwrapSandbox(ShellSandbox):
         memory = [] if self._cgroup is not None else [f"--as={self.memory_mb << 20}"]
         limits = [f"--nproc={self._nproc()}", *memory, f"--fsize={self.file_size_mb << 20}", "--core=0", "--nofile=1024"]
         mount = [sys.executable, "-I", "-S", str(OVERLAY_ROOT), "--uid", str(self.host_uid),
-                 *[a for layer in [*self.prepared.lowers(verifier), self.rootfs] for a in ("--lower", str(layer))],
+                 *[a for layer in [*self.prepared.lowers(verifier), self.prepared.base] for a in ("--lower", str(layer))],
                  "--stage", str(self._dir / "stage"), "--upper", str(self._dir / "upper"), "--target", mnt,
                  "--workdir", workdir]
         if self._cgroup is not None:
@@ -552,7 +554,8 @@ class BwrapSandbox(ShellSandbox):
             mount += ["--dir", "/tests", "--dir", "/logs/verifier", "--dir", SHIM_BIN]
             if self.prepared.tools_dir is not None:
                 mount += ["--bind", str(self.prepared.tools_dir), TOOLS_DIR]
-            mount += [a for pin in verifier_pins([*self.prepared.lowers(verifier), self.rootfs]) for a in ("--pin", pin)]
+            mount += [a for pin in verifier_pins([*self.prepared.lowers(verifier), self.prepared.base])
+                      for a in ("--pin", pin)]
         return ["unshare", "-m", "--propagation", "private", *mount, "--", *self._drop(limits), *args]
 
     def _nproc(self) -> int:

@@ -229,7 +229,9 @@ class DockerSandbox(ShellSandbox):
             except docker.errors.APIError:
                 continue
             try:
-                notes, _ = map_base(image, i + 1, self.task.dockerfile, line)
+                notes, _, release = map_base(image, i + 1, self.task.dockerfile, line)
+                if release != "bookworm":  # the Docker backend's one base image is the Debian 12 rootfs
+                    notes = [*notes, f"{image}: Debian 13 in the image, Debian 12 bookworm in {BASE_IMAGE}"]
             except DockerfileError:
                 continue
             logger.warning("%s:%d: FROM %s is not in the Docker engine and builds are offline: building on %s instead%s",
