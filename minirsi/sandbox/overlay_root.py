@@ -28,10 +28,8 @@ the mount API: open_tree, mount_setattr, move_mount; Linux >= 5.19 for idmapped 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
-import shutil
 import sys
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -127,8 +125,12 @@ def _attach(fd: int, target: str) -> None:
 
 
 def _remove(path: str) -> None:
+    """Remove a file, symlink or whole tree, following no symlink (os only: this runs chrooted in
+    the episode's root, where the host's standard library cannot be imported)."""
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
+        for entry in os.scandir(path):
+            _remove(entry.path)
+        os.rmdir(path)
     elif os.path.lexists(path):
         os.unlink(path)
 
@@ -196,22 +198,53 @@ def _inside(uid: int, workdir: str, dirs: list[str], binds: list[tuple[int, str]
     os.rmdir(_PRISTINE)
 
 
-def main(argv: list[str]) -> None:
+_USAGE = """overlay_root.py --uid H --stage DIR --upper DIR --target DIR [--lower DIR]... [--workdir PATH]
+    [--cgroup DIR] [--dir PATH]... [--bind SRC PATH]... [--pin PATH]... -- COMMAND...
+  --uid      the host uid the jail's root maps to
+  --lower    a lower layer, top first (the rootfs last)
+  --stage    a directory of ours for the idmapped mount points
+  --upper    the episode's directory: u/ (changes) and w/ (overlay work)
+  --target   where the root is mounted
+  --workdir  created (owned by the jail's root) if missing
+  --cgroup   a cgroup directory this process (and so the jail) joins first
+  --dir      a mount point the jail needs: made a real directory
+  --bind     bind SRC read-only at PATH inside the root
+  --pin      a path the verifier takes from the pristine image"""
+
+
+class _Args:
+    uid = 0
+    stage = upper = target = cgroup = None
+    workdir = "/"
+
+    def __init__(self) -> None:
+        self.lower, self.dir, self.bind, self.pin = [], [], [], []
+
+
+def _parse(argv: list[str]) -> tuple[_Args, list[str]]:
+    """The options before ``--`` (argparse would cost this per-jail helper 7 ms of imports)."""
+    if "--" not in argv:
+        raise SystemExit(f"overlay_root.py: no -- before the command\n{_USAGE}")
     split = argv.index("--")
-    p = argparse.ArgumentParser(prog="overlay_root.py")
-    p.add_argument("--uid", type=int, required=True, help="the host uid the jail's root maps to")
-    p.add_argument("--lower", action="append", default=[], help="a lower layer, top first (the rootfs last)")
-    p.add_argument("--stage", required=True, help="a directory of ours for the idmapped mount points")
-    p.add_argument("--upper", required=True, help="the episode's directory: u/ (changes) and w/ (overlay work)")
-    p.add_argument("--target", required=True, help="where the root is mounted")
-    p.add_argument("--workdir", default="/", help="created (owned by the jail's root) if missing")
-    p.add_argument("--dir", action="append", default=[], help="a mount point the jail needs: a real directory")
-    p.add_argument("--bind", nargs=2, action="append", default=[], metavar=("SRC", "PATH"),
-                   help="bind SRC read-only at PATH inside the root")
-    p.add_argument("--cgroup", help="a cgroup directory this process (and so the jail) joins first")
-    p.add_argument("--pin", action="append", default=[], help="a path the verifier takes from the pristine image")
-    args = p.parse_args(argv[:split])
-    command = argv[split + 1:]
+    args, opts, i = _Args(), argv[:split], 0
+    while i < len(opts):
+        name, n = opts[i], 3 if opts[i] == "--bind" else 2
+        values = opts[i + 1:i + n]
+        if not name.startswith("--") or len(values) != n - 1 or not hasattr(args, name[2:]):
+            raise SystemExit(f"overlay_root.py: bad option {name!r}\n{_USAGE}")
+        key = name[2:]
+        if isinstance(getattr(args, key), list):
+            getattr(args, key).append(tuple(values) if key == "bind" else values[0])
+        else:
+            setattr(args, key, int(values[0]) if key == "uid" else values[0])
+        i += n
+    if None in (args.stage, args.upper, args.target) or not args.uid:
+        raise SystemExit(f"overlay_root.py: --uid, --stage, --upper and --target are required\n{_USAGE}")
+    return args, argv[split + 1:]
+
+
+def main(argv: list[str]) -> None:
+    args, command = _parse(argv)
 
     if args.cgroup:
         with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
@@ -246,8 +279,8 @@ def main(argv: list[str]) -> None:
             os.chroot(args.target)
             os.chdir("/")
             _inside(args.uid, args.workdir, args.dir, binds, pristine, args.pin)
-        except OSError as e:
-            print(f"minirsi overlay_root: {e}", file=sys.stderr)
+        except BaseException as e:  # any failure must fail the launch, never leave a half-pinned root
+            print(f"minirsi overlay_root: {type(e).__name__}: {e}", file=sys.stderr)
             code = 125
         finally:
             os._exit(code)
