@@ -64,6 +64,8 @@ import datetime
 import logging
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -362,6 +364,23 @@ def current() -> World:
     return _current
 
 
+def _exit_with_launcher(period: float = 0.5) -> None:
+    """End this rank when its launcher dies. torchrun (and accelerate launch) start each rank in a
+    session of its own, so a launcher killed with SIGKILL leaves the ranks running as orphans:
+    they would go on writing the run directory while the user resumes it. A daemon thread watches
+    the parent pid and exits the process once it has been re-parented."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(period)
+            if os.getppid() != parent:
+                os.write(2, f"minirsi: rank {os.environ.get('RANK')}: the launcher (pid {parent}) is gone; exiting\n".encode())
+                os._exit(1)
+
+    threading.Thread(target=watch, name="minirsi-launcher-watch", daemon=True).start()
+
+
 def init(device: str = "cpu") -> World:
     """Join the process group torchrun / accelerate describe in the environment (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); ``SINGLE`` when WORLD_SIZE is unset or 1.
@@ -376,6 +395,7 @@ def init(device: str = "cpu") -> World:
         _current = SINGLE
         return _current
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    _exit_with_launcher()
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(local)

@@ -221,6 +221,32 @@ def test_torchrun_two_processes_run_the_smoke_recipe(tmp_path):
     assert all(isinstance(k, str) for k in state["actor"]["state"])  # gathered, keyed by parameter name
 
 
+def _descendants(pid: int) -> list[int]:
+    """The live descendants of `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's zombie is reaped by init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("resume_nproc", [1, 2])
@@ -239,8 +265,17 @@ def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
         while not (out / "stages/02-warmup/DONE.json").exists() and job.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert (out / "stages/02-warmup/DONE.json").exists(), "the 2-process run never finished the warm-up"
-        os.killpg(job.pid, signal.SIGKILL)  # launcher and both ranks, mid-run
+        ranks = _descendants(job.pid)  # torchrun starts each rank in a session of its own
+        assert len(ranks) >= 2, ranks
+        os.killpg(job.pid, signal.SIGKILL)  # the launcher, mid-run: the ranks must follow it
         job.wait(30)
+        deadline = time.time() + 30
+        while any(_alive(pid) for pid in ranks) and time.time() < deadline:
+            time.sleep(0.1)
+        survivors = [pid for pid in ranks if _alive(pid)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+        assert not survivors, f"ranks outlived their launcher by 30 s: {survivors}"
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
