@@ -473,16 +473,7 @@ class BwrapSandbox(ShellSandbox):
         src = str(self._base / ".rootfs-mnt") if self._as_root else str(self.rootfs)
         workdir = self.task.workdir
         top = workdir.split("/")[1]
-        uid = SANDBOX_UID
-        args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", str(uid),
-                "--gid", str(uid), "--hostname", "sandbox", "--clearenv"]
-        if info_fd is not None:  # bwrap writes {"child-pid": <host pid of the namespace's init>}
-            args += ["--info-fd", str(info_fd)]
-        base_env = {"PATH": PATH, "HOME": "/tmp", "USER": "agent", "LOGNAME": "agent", "LANG": "C.UTF-8",
-                    "TERM": "dumb", "SHELL": "/bin/bash"}
-        for k, v in {**base_env, **env}.items():
-            args += ["--setenv", k, v]
+        args = self._bwrap(SANDBOX_UID, "agent", "/tmp", env, info_fd)
         entries = {e.name: Path(e.path) for e in os.scandir(self.rootfs)}
         for name, path in sorted(entries.items()):
             if name in ("proc", "dev", "sys", "tmp"):
@@ -506,13 +497,31 @@ class BwrapSandbox(ShellSandbox):
         # /home, /opt; no filling memory through it).
         args += ["--remount-ro", "/"]
         args += ["--chdir", workdir, *command]
-        limits = [f"--nproc={self._nproc()}", f"--as={self.memory_mb << 20}", f"--fsize={self.file_size_mb << 20}",
-                  "--core=0", "--nofile=1024"]
+        limits = self._limits(address_space=True)
         if not self._as_root:
             return ["prlimit", *limits, "--", *args]
         # Private mount namespace: bind the rootfs where the unprivileged uid can reach it.
         return ["unshare", "-m", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
                 "sh", str(self.rootfs), src, *self._drop(limits), *args]
+
+    def _bwrap(self, uid: int, user: str, home: str, env: dict[str, str], info_fd: int | None) -> list[str]:
+        """bwrap's namespaces, identity and environment, common to every jail."""
+        args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", str(uid),
+                "--gid", str(uid), "--hostname", "sandbox", "--clearenv"]
+        if info_fd is not None:  # bwrap writes {"child-pid": <host pid of the namespace's init>}
+            args += ["--info-fd", str(info_fd)]
+        base_env = {"PATH": PATH, "HOME": home, "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
+                    "TERM": "dumb", "SHELL": "/bin/bash"}
+        for k, v in {**base_env, **env}.items():
+            args += ["--setenv", k, v]
+        return args
+
+    def _limits(self, address_space: bool) -> list[str]:
+        """prlimit's options: processes, file size, no core, open files; and RLIMIT_AS
+        (``memory_mb`` per process) when `address_space`."""
+        memory = [f"--as={self.memory_mb << 20}"] if address_space else []
+        return [f"--nproc={self._nproc()}", *memory, f"--fsize={self.file_size_mb << 20}", "--core=0", "--nofile=1024"]
 
     def _drop(self, limits: list[str]) -> list[str]:
         """prlimit, then setpriv to the sandbox's host uid (root mode)."""
@@ -528,24 +537,16 @@ class BwrapSandbox(ShellSandbox):
         from minirsi.layers import DOCKER_CAPS, TOOLS_DIR
 
         workdir, mnt = self.task.workdir, str(self._base / ".rootfs-mnt")
-        args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", "0", "--gid", "0",
-                "--hostname", "sandbox", "--clearenv"]
-        if info_fd is not None:
-            args += ["--info-fd", str(info_fd)]
-        base_env = {"PATH": PATH, "HOME": "/root", "USER": "root", "LOGNAME": "root", "LANG": "C.UTF-8",
-                    "TERM": "dumb", "SHELL": "/bin/bash"}
-        for k, v in {**base_env, **env}.items():
-            args += ["--setenv", k, v]
+        stack = [*self.prepared.lowers(verifier), self.prepared.base]  # top layer first, the base last
+        args = self._bwrap(0, "root", "/root", env, info_fd)
         args += ["--cap-drop", "ALL", *[a for c in DOCKER_CAPS for a in ("--cap-add", c)],
                  "--bind", mnt, "/", "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", *binds,
                  "--chdir", workdir, *command]
         # memory: the jail's cgroup where there is one (Chromium, V8 and the JVM reserve far more
         # address space than they use), else the per-process address-space limit
-        memory = [] if self._cgroup is not None else [f"--as={self.memory_mb << 20}"]
-        limits = [f"--nproc={self._nproc()}", *memory, f"--fsize={self.file_size_mb << 20}", "--core=0", "--nofile=1024"]
+        limits = self._limits(address_space=self._cgroup is None)
         mount = [sys.executable, "-I", "-S", str(OVERLAY_ROOT), "--uid", str(self.host_uid),
-                 *[a for layer in [*self.prepared.lowers(verifier), self.prepared.base] for a in ("--lower", str(layer))],
+                 *[a for layer in stack for a in ("--lower", str(layer))],
                  "--stage", str(self._dir / "stage"), "--upper", str(self._dir / "upper"), "--target", mnt,
                  "--workdir", workdir]
         if self._cgroup is not None:
@@ -554,8 +555,7 @@ class BwrapSandbox(ShellSandbox):
             mount += ["--dir", "/tests", "--dir", "/logs/verifier", "--dir", SHIM_BIN]
             if self.prepared.tools_dir is not None:
                 mount += ["--bind", str(self.prepared.tools_dir), TOOLS_DIR]
-            mount += [a for pin in verifier_pins([*self.prepared.lowers(verifier), self.prepared.base])
-                      for a in ("--pin", pin)]
+            mount += [a for pin in verifier_pins(stack) for a in ("--pin", pin)]
         return ["unshare", "-m", "--propagation", "private", *mount, "--", *self._drop(limits), *args]
 
     def _nproc(self) -> int:
