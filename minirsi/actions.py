@@ -180,6 +180,29 @@ def format_observation(results: Sequence[ResultLike], max_chars: int = OBS_MAX_C
     return "\n".join(pieces)
 
 
+_STATUS = re.compile(r"^\[(exit (-?\d+)|timed out|no exit code)\]$", re.MULTILINE)
+
+
+def read_blocks(commands: Sequence[str], observation: str | None) -> list[tuple[str, str, bool]]:
+    """The inverse of ``format_observation``: per command block of a turn, (command, output,
+    exited 0). Status lines are matched to the blocks from the end; when there are fewer than
+    blocks, every block counts as failed unless every status line says exit 0; a turn with no
+    observation (its sandbox died, or it completed) counts as failed."""
+    n = len(commands)
+    if observation is None:
+        return [(c, "", False) for c in commands]
+    found = list(_STATUS.finditer(observation))
+    statuses = [m.group(2) == "0" for m in found]
+    ok = statuses[-n:] if len(statuses) >= n else [bool(statuses) and all(statuses)] * n
+    pieces, start = [], 0
+    for m in found:
+        pieces.append(observation[start:m.start()].strip("\n"))
+        start = m.end()
+    pieces = pieces[-n:] if n else []
+    outputs = [""] * (n - len(pieces)) + pieces
+    return list(zip(commands, outputs, ok[:n] if n else []))
+
+
 # --- token ids --------------------------------------------------------------------------------
 
 

@@ -84,6 +84,8 @@ class WarmupConfig:
 
     samples_per_task: int = 1
     """Rollouts of the frozen RSR-1 actor per training task (the epoch's data)."""
+    tasks: int = 0
+    """Training tasks rolled out: 0 every one, N a seeded sample of N of them."""
     reward: str = "fdr"
     """Reward the critic learns to predict: fdr or spr (RPR-1's reward in the paper: FDR)."""
     epochs: int = 1
@@ -111,6 +113,8 @@ class WarmupConfig:
         for name in ("samples_per_task", "epochs", "minibatch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"warmup.{name}={getattr(self, name)}: use >= 1")
+        if self.tasks < 0:
+            raise ValueError(f"warmup.tasks={self.tasks}: use 0 (every training task) or a count")
         if self.grad_accum > self.minibatch_size:
             raise ValueError(f"warmup.grad_accum={self.grad_accum} > minibatch_size={self.minibatch_size}; "
                              "lower grad_accum")

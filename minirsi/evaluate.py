@@ -8,15 +8,20 @@ S_{t,i} in {0, 1} is the verifier's strict outcome of attempt i. Then
     process_reward(T)    = mean over all attempts of P / C          (long-horizon suites)
     strict_completion(T) = number of tasks whose attempts pass the gate in a majority (>= k/2)
 
+``stderr`` is the standard error of Mean@k over tasks, sqrt(var(task scores) / n_tasks) (the
+task-to-task spread, the larger part of the noise here); ``failures`` sorts the failed episodes
+into minirsi/failures.py's categories.
+
 P / C are the passed and total non-hygiene checks (docs/method.md section 1). Strict completion is a
 count of tasks, as the paper reports LHTB (0/46 -> 5/46); the paper does not say how it folds
 3 samples into one completion per task, so "a majority of the k attempts" is our choice.
 
 Result of ``evaluate`` (also the per-stage entry of a run's ``results.json``)::
 
-    {"core": {"mean_at_3": 0.41, "n_tasks": 24, "n_episodes": 72,
+    {"core": {"mean_at_3": 0.41, "stderr": 0.03, "n_tasks": 24, "n_episodes": 72,
               "by_difficulty": {"easy": 0.6, "medium": 0.3},
-              "mean_passed_fraction": 0.55, "mean_turns": 3.1},
+              "mean_passed_fraction": 0.55, "mean_turns": 3.1,
+              "failures": {"n_failed": 42, "counts": {"obstacle": 30, ...}}},
      "long": {..., "process_reward": 0.37, "strict_completion": {"completed": 2, "tasks": 6}}}
 
 Run it on any checkpoint (the toy suites are generated into ``--tasks`` when it is empty)::
@@ -30,11 +35,13 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from minirsi import failures
 from minirsi.episode import Episode
 
 logger = logging.getLogger(__name__)
@@ -60,8 +67,12 @@ def summarise(episodes: Sequence[Episode], k: int, long_horizon: bool = False) -
     for t, eps in by_task.items():
         by_diff[eps[0].difficulty].append(task_score[t])
     order = [d for d in DIFFICULTIES if d in by_diff] + sorted(set(by_diff) - set(DIFFICULTIES))
+    scores = list(task_score.values())
+    mean = _mean(scores)
+    var = sum((x - mean) ** 2 for x in scores) / (len(scores) - 1) if len(scores) > 1 else 0.0
     out: dict[str, Any] = {
-        f"mean_at_{k}": _mean(task_score.values()),
+        f"mean_at_{k}": mean,
+        "stderr": math.sqrt(var / len(scores)),
         "n_tasks": len(by_task),
         "n_episodes": len(episodes),
         "by_difficulty": {d: _mean(by_diff[d]) for d in order},
@@ -131,6 +142,7 @@ def evaluate(
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             write_jsonl(eps, Path(out_dir) / f"{name}.jsonl")  # what `minirsi audit --eval` rescores
         results[name] = summarise(eps, k, long_horizon=name in long_suites)
+        results[name]["failures"] = failures.summarise(eps, {t.task_id: getattr(t, "path", None) for t in suites[name]})
         logger.info("eval %s: Mean@%d = %.3f over %d tasks", name, k, results[name][f"mean_at_{k}"], len(suites[name]))
     return results
 

@@ -2,11 +2,20 @@
 
 The paper starts from an instruction-tuned Qwen3; on this CPU there is no such model, so Base
 is made here: a byte-level BPE tokenizer and a ~1M-parameter Qwen3 (models.py) trained for a
-few minutes on ``toy_envs.corpus.sessions(n, seed, noise)``, structured sessions over the
-training families' vocabulary (never the evaluation instances), rendered into ChatML ids by
-``actions.render_session`` exactly as a rollout would lay them out. The corpus's ``noise``
-(wrong or missing steps) is what keeps Base imperfect: the recipe wants Base at 5-40% strict
-success on the core suite's training pool, so RSR and RPR have something to improve.
+few minutes on ``toy_envs.corpus.sessions(n, seed)``, a demonstrator's sessions over the
+training families (never the evaluation instances), rendered into ChatML ids by
+``actions.render_session`` exactly as a rollout would lay them out. The demonstrator copies
+names right and decides wrong at fixed rates (toy_envs/obstacles.py): what keeps Base imperfect
+is its decisions after an error and when to stop, which RSR and RPR can improve.
+
+Past the copy transition. A tiny model learns to copy names from the instruction abruptly (a
+phase transition in the step count); a Base sitting on it swings between runs and machines. So
+the run records, every ``eval_every`` steps, the teacher-forced *name accuracy* on held-out
+sessions (greedy next-token accuracy at the action tokens that are a name from
+toy_envs/words.py, command words excluded) and the step where it first reaches 90%; at the end,
+``clean_easy`` episodes on held-out easy tasks without obstacles are rolled out in the sandbox.
+The shipped toy Base is trained to >= 97% name accuracy, >= 90% clean-easy success, and at least
+1.5x the 90% step (``past_copy_transition``; tests/test_pretrain.py checks the shipped one).
 
 Loss. Token-weighted cross-entropy over the whole sequence,
 
@@ -33,21 +42,24 @@ rollout).
 
 Run:
 
-    minirsi pretrain --out runs/toy/base --minutes 4 --sessions 20000 --noise 0.2
+    minirsi pretrain --out runs/toy/base --minutes 4 --sessions 20000
     minirsi pretrain --out runs/toy/base --minutes 15 max_steps=600 threads=1   # reproducible
     minirsi pretrain --out runs/toy/base --config pretrain.yaml lr=4e-3   # PretrainConfig fields
 
 Writes ``DIR/`` (config.json, model.safetensors, tokenizer files: ``load_actor(DIR)`` reads
-it), ``DIR/pretrain_metrics.json`` (loss curve, tokens, time, held-out action loss) and
-``DIR/pretrain_config.yaml``.
+it), ``DIR/pretrain_metrics.json`` (loss curve, name-accuracy curve, the 90% step, clean-easy
+success, tokens, time, held-out action loss) and ``DIR/pretrain_config.yaml``
+(``config_hash`` in the metrics is what the recipe's Base cache is keyed by).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -72,12 +84,15 @@ class PretrainConfig:
     """Number of corpus sessions generated (``toy_envs.corpus.sessions(n=...)``); about half a
     pass in the budget, since a corpus seen several times is memorised instead of teaching the
     model to copy names from the instruction (docs/experiments.md)."""
-    val_sessions: int = 64
-    """Held-out sessions (another seed) for the final action-token loss and accuracy."""
+    val_sessions: int = 256
+    """Held-out sessions (another seed) for the action-token loss and the name accuracy."""
     seed: int = 0
     """Seeds the corpus, the model initialisation and the batch order."""
-    noise: float = 0.2
-    """Corpus noise (share of corrupted steps); higher keeps Base weaker."""
+    eval_every: int = 100
+    """Steps between two measurements of the held-out name accuracy (0: only at the end)."""
+    clean_easy: int = 48
+    """Episodes (one per task) on held-out easy toy tasks without obstacles, rolled out in the
+    sandbox after training (0: skip; needs bubblewrap and the rootfs)."""
     preset: str = "tiny"
     """Model size: a key of models.PRESETS ("tiny", "small")."""
     vocab_size: int = 2048
@@ -115,8 +130,8 @@ class PretrainConfig:
             raise ValueError(f"sessions={self.sessions}: need at least 1 corpus session, e.g. 20000")
         if self.val_sessions < 0:
             raise ValueError(f"val_sessions={self.val_sessions}: use 0 (none) or more")
-        if not 0.0 <= self.noise <= 1.0:
-            raise ValueError(f"noise={self.noise}: a share, use a value in [0, 1]")
+        if self.eval_every < 0 or self.clean_easy < 0:
+            raise ValueError(f"eval_every={self.eval_every}, clean_easy={self.clean_easy}: use 0 (off) or a count")
         if self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r}: use one of {sorted(PRESETS)}")
         if self.minutes <= 0:
@@ -137,11 +152,37 @@ class PretrainConfig:
             raise ValueError(f"context_weight={self.context_weight}: use a weight in [0, 1] (0 = actions only)")
 
 
-def corpus_sessions(n: int, seed: int, noise: float) -> list[Any]:
+def corpus_sessions(n: int, seed: int) -> list[Any]:
     """The toy corpus (imported here so that tests can pretrain on hand-written sessions)."""
     from toy_envs import corpus
 
-    return list(corpus.sessions(n, seed=seed, noise=noise))
+    return list(corpus.sessions(n, seed=seed))
+
+
+def name_words() -> frozenset[str]:
+    """The words a toy task's names are made of (file stems, directories, fruits, git names)."""
+    from toy_envs import words
+
+    return frozenset(words.FILES + words.DIRS + words.FRUITS + words.TAGS)
+
+
+def name_positions(tokenizer: Any, ids: Sequence[int], mask: Sequence[int], names: frozenset[str]) -> list[int]:
+    """Positions t of action tokens that are a whole name (``Ġcat`` or ``cat``), except a
+    command's first word (``cat`` in ``cat cat.txt``): what copying from the instruction is."""
+    toks = tokenizer.convert_ids_to_tokens(list(ids))
+    out = []
+    for t in range(1, len(ids)):
+        if mask[t] and toks[t].lstrip("Ġ") in names and not toks[t - 1].endswith(("Ċ", "\n")):
+            out.append(t)
+    return out
+
+
+def past_copy_transition(metrics: dict) -> bool:
+    """The shipped Base's bar: name accuracy >= 97%, clean easy tasks >= 90%, and trained for at
+    least 1.5x the step where name accuracy first reached 90%."""
+    step90 = metrics.get("name_accuracy_90_step")
+    return (metrics.get("name_accuracy", 0.0) >= 0.97 and metrics.get("clean_easy_success", 0.0) >= 0.90
+            and step90 is not None and metrics["steps"] >= 1.5 * step90)
 
 
 def session_text(session: Any) -> str:
@@ -200,6 +241,12 @@ def weighted_loss(
     return (ce * weights).sum() / weights.sum().clamp_min(1.0), ce
 
 
+def config_hash(cfg: PretrainConfig) -> str:
+    """16 hex digits of the config's JSON: what the recipe's Base cache (and the shipped Base's
+    directory name) is keyed by."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
 def lr_at(cfg: PretrainConfig, step: int, progress: float) -> float:
     """Linear warm-up over ``warmup_steps``, then cosine from lr to lr * min_lr_ratio on progress in [0, 1]."""
     if step < cfg.warmup_steps:
@@ -209,22 +256,52 @@ def lr_at(cfg: PretrainConfig, step: int, progress: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int) -> dict:
-    """Held-out action-token loss and greedy next-token accuracy on action tokens."""
+def evaluate(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad_id: int, batch_size: int,
+             names: Sequence[Sequence[int]] | None = None) -> dict:
+    """Held-out action-token loss and greedy next-token accuracy on action tokens; with
+    ``names`` (per row, the positions of name tokens: ``name_positions``) the accuracy there."""
     model.eval()
-    tot_ce, tot_hit, tot_n = 0.0, 0.0, 0.0
+    tot_ce, tot_hit, tot_n, name_hit, name_n = 0.0, 0.0, 0.0, 0.0, 0
     for s in range(0, len(rows), batch_size):
         ids, am, _, act = collate_weighted(rows[s : s + batch_size], pad_id, 0.0)
         logits = model(input_ids=ids, attention_mask=am).logits  # (B, T, V)
         ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-        hit = (logits[:, :-1].argmax(-1) == ids[:, 1:]).float().flatten()
+        hit2d = (logits[:, :-1].argmax(-1) == ids[:, 1:]).float()  # (B, T-1): token t+1 predicted at t
         m = act[:, 1:].flatten()
         tot_ce += float((ce * m).sum())
-        tot_hit += float((hit * m).sum())
+        tot_hit += float((hit2d.flatten() * m).sum())
         tot_n += float(m.sum())
+        if names is not None:
+            for b, pos in enumerate(names[s : s + batch_size]):
+                name_hit += float(sum(hit2d[b, t - 1] for t in pos))
+                name_n += len(pos)
     model.train()
     n = max(tot_n, 1.0)
-    return {"val_action_loss": tot_ce / n, "val_action_accuracy": tot_hit / n, "val_action_tokens": int(tot_n)}
+    out = {"val_action_loss": tot_ce / n, "val_action_accuracy": tot_hit / n, "val_action_tokens": int(tot_n)}
+    if names is not None:
+        out.update(name_accuracy=name_hit / max(name_n, 1), name_tokens=name_n)
+    return out
+
+
+def clean_easy_success(model: torch.nn.Module, tokenizer: Any, n: int, seed: int = 0) -> float:
+    """Strict success of one episode each on ``n`` held-out easy toy tasks with no obstacle
+    (``toy_envs.suites.clean_easy``), sampled at temperature 1 in the bubblewrap sandbox."""
+    import tempfile
+
+    from minirsi.rollout import RolloutConfig, collect
+    from minirsi.sampler import HFSampler
+    from minirsi.tasks import load_task
+    from toy_envs.suites import clean_easy
+    from toy_envs.base import write_task
+
+    with tempfile.TemporaryDirectory(prefix="minirsi-clean-easy-") as root:
+        os.chmod(root, 0o755)  # the sandbox's user must traverse it (git tasks' set-up script)
+        tasks = [load_task(write_task(inst, Path(root))) for inst in clean_easy(n, seed)]
+        was = model.training
+        model.eval()
+        episodes = collect(tasks, HFSampler(model, tokenizer), tokenizer, RolloutConfig(seed=seed, max_turns=6))
+        model.train(was)
+    return sum(e.success for e in episodes) / len(episodes)
 
 
 def pretrain(
@@ -257,10 +334,11 @@ def _pretrain(
 ) -> dict:
     t_start = time.perf_counter()
     out = Path(out_dir)
+    toy = sessions is None
     if sessions is None:
-        sessions = corpus_sessions(cfg.sessions, cfg.seed, cfg.noise)
+        sessions = corpus_sessions(cfg.sessions, cfg.seed)
     if val is None:
-        val = corpus_sessions(cfg.val_sessions, cfg.seed + 1_000_003, cfg.noise) if cfg.val_sessions else []
+        val = corpus_sessions(cfg.val_sessions, cfg.seed + 1_000_003) if cfg.val_sessions else []
     tokenizer = build_tokenizer([session_text(s) for s in sessions], vocab_size=cfg.vocab_size)
     pad_id = tokenizer.pad_token_id
 
@@ -276,6 +354,20 @@ def _pretrain(
 
     rows, dropped = render(sessions)
     val_rows, _ = render(val)
+    names = name_words()
+    val_names = [name_positions(tokenizer, ids, mask, names) for ids, mask in val_rows]
+    name_curve: list[dict] = []
+    step90 = None
+
+    def measure(step: int) -> None:
+        nonlocal step90
+        m = evaluate(model, val_rows, pad_id, cfg.batch_size, val_names)
+        name_curve.append({"step": step, "name_accuracy": m["name_accuracy"], "val_action_loss": m["val_action_loss"]})
+        if step90 is None and m["name_accuracy"] >= 0.90:
+            step90 = step
+        logger.info("pretrain step %d: held-out name accuracy %.4f, action loss %.4f", step, m["name_accuracy"],
+                    m["val_action_loss"])
+
     if not rows:
         raise ValueError(f"every session is longer than max_len={cfg.max_len} tokens; raise max_len")
     lengths = [len(r[0]) for r in rows]
@@ -322,6 +414,8 @@ def _pretrain(
             a_loss = float((ce.detach() * act).sum() / act.sum().clamp_min(1.0))
             if step % cfg.log_every == 0 or step == 1:
                 curve.append({"step": step, "time_s": round(elapsed, 2), "lr": lr, "loss": loss_v, "action_loss": a_loss})
+            if val_rows and cfg.eval_every and step % cfg.eval_every == 0:
+                measure(step)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_v:.3f}", act=f"{a_loss:.3f}", ep=epoch)
         else:
@@ -347,11 +441,24 @@ def _pretrain(
         "final_loss": curve[-1]["loss"] if curve else None,
     }
     if val_rows:
-        metrics.update(evaluate(model, val_rows, pad_id, cfg.batch_size))
+        metrics.update(evaluate(model, val_rows, pad_id, cfg.batch_size, val_names))
+        if not name_curve or name_curve[-1]["step"] != step:
+            name_curve.append({"step": step, "name_accuracy": metrics["name_accuracy"],
+                               "val_action_loss": metrics["val_action_loss"]})
+        if step90 is None and metrics["name_accuracy"] >= 0.90:
+            step90 = step
+    metrics["name_curve"] = name_curve
+    metrics["name_accuracy_90_step"] = step90
+    if toy and cfg.clean_easy:
+        metrics["clean_easy_success"] = clean_easy_success(model, tokenizer, cfg.clean_easy, seed=cfg.seed)
+    metrics["config_hash"] = config_hash(cfg)
+    metrics["past_copy_transition"] = past_copy_transition(metrics) if toy else None
     save_actor(model, tokenizer, out)
     metrics["total_time_s"] = time.perf_counter() - t_start
     (out / "pretrain_metrics.json").write_text(json.dumps(metrics, indent=1))
     save_config(cfg, out / "pretrain_config.yaml")
+    logger.info("pretrain: name accuracy %.4f (90%% at step %s of %d), clean easy success %s",
+                metrics.get("name_accuracy", float("nan")), step90, step, metrics.get("clean_easy_success"))
     logger.info(
         "pretrain: %d steps, %.0f s, %d tokens, loss %.3f -> %.3f; saved to %s",
         step, train_time, tokens, metrics["first_loss"] or float("nan"), metrics["final_loss"] or float("nan"), out,
@@ -368,12 +475,11 @@ def cli(argv: Sequence[str] | None = None, command: str = "pretrain") -> int:
     p.add_argument("--sessions", type=int, help="number of corpus sessions")
     p.add_argument("--seed", type=int)
     p.add_argument("--preset", help=f"model size: {', '.join(PRESETS)}")
-    p.add_argument("--noise", type=float, help="corpus noise in [0, 1]")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("overrides", nargs="*", help="PretrainConfig key=value overrides, e.g. lr=2e-3")
     args = p.parse_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    flags = [f"{k}={getattr(args, k)}" for k in ("minutes", "sessions", "seed", "preset", "noise") if getattr(args, k) is not None]
+    flags = [f"{k}={getattr(args, k)}" for k in ("minutes", "sessions", "seed", "preset") if getattr(args, k) is not None]
     cfg = load_config(PretrainConfig, args.config, list(args.overrides) + flags, section=args.section)
     m = pretrain(cfg, args.out, progress_bar=not args.quiet)
     print(
@@ -381,4 +487,7 @@ def cli(argv: Sequence[str] | None = None, command: str = "pretrain") -> int:
         f"{m['train_time_s']:.0f} s, loss {m['first_loss']:.3f} -> {m['final_loss']:.3f}"
         + (f", held-out action loss {m['val_action_loss']:.3f}" if "val_action_loss" in m else "")
     )
+    if "name_accuracy" in m:
+        print(f"name accuracy {m['name_accuracy']:.4f} (reached 90% at step {m['name_accuracy_90_step']}), "
+              f"clean easy success {m.get('clean_easy_success')}, past the copy transition: {m['past_copy_transition']}")
     return 0

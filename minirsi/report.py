@@ -3,8 +3,12 @@
 ``minirsi report RUN_DIR`` reads ``results.json``, ``metrics.jsonl`` and ``stages/*/DONE.json``
 and writes ``RUN_DIR/report.md`` with
 
-* the stages x suites table of Mean@k (as the paper's main table), with the equal-weight mean
-  over the suites in the last column: mean_s Mean@k(s);
+* the stages x suites table of Mean@k (as the paper's main table), each cell with its standard
+  error over tasks (minirsi/evaluate.py), and the equal-weight mean over the suites in the last
+  column: mean_s Mean@k(s);
+* the failure taxonomy per stage on the first suite (minirsi/failures.py): what each stage's
+  failed episodes failed at, so a learner sees what a stage fixed;
+* the training pool's success within each RPR stage (first vs last steps, from metrics.jsonl);
 * per-difficulty Mean@k, pooled over the evaluated suites weighting each suite's difficulty
   group by its number of tasks (the paper pools its 322 benchmark-task pairs the same way);
 * process reward P / C and strict completion on the long-horizon suite;
@@ -74,8 +78,16 @@ def stage_labels(run_dir: str | Path | None, names: Sequence[str]) -> dict[str, 
     return labels
 
 
+def _cell(r: Mapping[str, Any] | None, k: int) -> str:
+    if not r or f"mean_at_{k}" not in r:
+        return "-"
+    se = r.get("stderr")
+    return _pct(r[f"mean_at_{k}"]) + ("" if se is None else f" ± {100 * se:.1f}")
+
+
 def results_table(results: Mapping[str, Any], k: int | None = None, labels: Mapping[str, str] | None = None) -> str:
-    """Markdown: one row per stage, Mean@k (%) per suite and their equal-weight mean."""
+    """Markdown: one row per stage, Mean@k (%) ± its standard error per suite, and their
+    equal-weight mean."""
     if not results:
         return "(no stage has been evaluated yet)"
     k = k or _k_of(results)
@@ -86,7 +98,42 @@ def results_table(results: Mapping[str, Any], k: int | None = None, labels: Mapp
         vals = [by_suite.get(s, {}).get(f"mean_at_{k}") for s in suites]
         present = [v for v in vals if v is not None]
         mean = sum(present) / len(present) if present else None
-        lines.append(f"| {labels.get(stage, stage)} | " + " | ".join(_pct(v) for v in vals) + f" | {_pct(mean)} |")
+        cells = [_cell(by_suite.get(s), k) for s in suites]
+        lines.append(f"| {labels.get(stage, stage)} | " + " | ".join(cells) + f" | {_pct(mean)} |")
+    return "\n".join(lines)
+
+
+def failure_table(results: Mapping[str, Any], suite: str | None = None, labels: Mapping[str, str] | None = None) -> str:
+    """Markdown: per stage, its failed episodes on ``suite`` (default: the first suite) by
+    category (minirsi/failures.py), as counts."""
+    from minirsi.failures import CATEGORIES
+
+    suite = suite or (_suites(results) or [None])[0]
+    rows = [(st, r[suite]["failures"]) for st, r in results.items() if suite in r and "failures" in r[suite]]
+    if not rows:
+        return f"(no failure taxonomy recorded for suite '{suite}')"
+    labels = labels or {n: DEFAULT_LABELS.get(n, n) for n in results}
+    lines = ["| Stage | failed | " + " | ".join(CATEGORIES) + " |", "|---" * (len(CATEGORIES) + 2) + "|"]
+    for st, f in rows:
+        lines.append(f"| {labels.get(st, st)} | {f['n_failed']} | "
+                     + " | ".join(str(f["counts"].get(c, 0)) for c in CATEGORIES) + " |")
+    return "\n".join(lines)
+
+
+def pool_table(metrics: Sequence[Mapping[str, Any]], labels: Mapping[str, str], n: int = 3) -> str:
+    """Markdown: per RPR stage, the training episodes' success (``binary_reward``) over its first
+    ``n`` logged steps (critic calibration included) and its last ``n``."""
+    stages: dict[str, list[float]] = {}
+    for m in metrics:
+        if m.get("phase") in ("calibrate", "joint") and isinstance(m.get("binary_reward"), (int, float)):
+            stages.setdefault(m["stage"], []).append((m["step"], m["binary_reward"]))
+    if not stages:
+        return "(no RPR stage logged its training rollouts)"
+    lines = [f"| Stage | steps | success, first {n} | success, last {n} |", "|---|---|---|---|"]
+    for st, pts in stages.items():
+        ys = [y for _, y in sorted(pts)]
+        lines.append(f"| {labels.get(st, st)} | {len(ys)} | {_pct(sum(ys[:n]) / len(ys[:n]))} | "
+                     f"{_pct(sum(ys[-n:]) / len(ys[-n:]))} |")
     return "\n".join(lines)
 
 
@@ -233,7 +280,13 @@ def write_report(run_dir: str | Path) -> Path:
              f"Mean@{k} (%) per difficulty, pooled over the suites (each weighted by its task count).", "",
              difficulty_table(results, labels), "",
              "## Long-horizon suite", "",
-             long_table(results, labels=labels), ""]
+             long_table(results, labels=labels), "",
+             "## What the failures were", "",
+             f"Failed episodes on {(_suites(results) or ['-'])[0]} by category (minirsi/failures.py: format, "
+             "turn limit, a wrong name, the wrong decision after an obstacle, stopped early, other).", "",
+             failure_table(results, labels=labels), "",
+             "## The training pool within each RPR stage", "",
+             pool_table(metrics, labels), ""]
     stage_rows = []
     for done in sorted(run_dir.glob("stages/*/DONE.json")):
         rec = json.loads(done.read_text())

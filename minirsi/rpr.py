@@ -45,9 +45,10 @@ Choices the paper leaves open, ours:
 * Groups (``samples_per_task`` G, ``drop_uniform_groups``): a step may draw fewer tasks and
   roll each out G times. A task whose G episodes all end alike (all solved, all failed) teaches
   the actor little beyond the critic's errors on it; with ``drop_uniform_groups`` such tasks
-  leave the update (DAPO's dynamic sampling, without the resampling), and a step in which no
-  task has both outcomes updates the critic only. Success is logged over every episode.
-  Off in the presets: on the toy pool neither helped (docs/experiments.md).
+  leave the update (DAPO's dynamic sampling), and a step in which no task has both outcomes
+  updates the critic only. ``oversample`` draws extra groups so that the step still has
+  ``episodes_per_step / G`` mixed groups to train on: the pool filtered to the edge of the
+  actor's competence. Success is logged over every episode rolled out.
 * Calibration: the first ``critic_calibration_updates`` steps of a phase update the critic only
   (each on fresh rollouts of the frozen actor, as veRL's ``critic_warmup``); ``steps`` joint
   steps follow, so a phase runs calibration + steps rollouts.
@@ -147,6 +148,11 @@ class RPRConfig:
     drop_uniform_groups: bool = False
     """Leave out of the update every task whose G episodes all succeeded or all failed (their
     success rate is logged all the same). With G > 1 only; module docstring."""
+    oversample: int = 1
+    """With ``drop_uniform_groups``: roll out this many times ``episodes_per_step`` (the extra
+    groups drawn from the same stream) and train on the first ``episodes_per_step / G`` groups
+    with both outcomes: the pool filtered, step by step, to the tasks the actor solves sometimes
+    (DAPO's dynamic sampling, with a bounded draw instead of "until the batch is full")."""
     steps: int = 20
     """Joint (actor + critic) PPO steps, after the calibration updates."""
     critic_calibration_updates: int = 4
@@ -196,6 +202,9 @@ class RPRConfig:
         if self.samples_per_task < 1 or self.episodes_per_step % self.samples_per_task:
             raise ValueError(f"RPRConfig.samples_per_task={self.samples_per_task}: must be >= 1 and divide "
                              f"episodes_per_step={self.episodes_per_step}")
+        if self.oversample < 1 or (self.oversample > 1 and not self.drop_uniform_groups):
+            raise ValueError(f"RPRConfig.oversample={self.oversample}: must be >= 1, and > 1 only with "
+                             "drop_uniform_groups=true (the extra groups are there to be filtered)")
         if self.drop_uniform_groups and self.samples_per_task < 2:
             raise ValueError("RPRConfig.drop_uniform_groups needs samples_per_task >= 2 (a group of one "
                              "episode is always uniform)")
@@ -569,6 +578,17 @@ def uniform_groups(episodes: Sequence[Episode]) -> set[str]:
     return {task_id for task_id, seen in outcomes.items() if len(seen) == 1}
 
 
+def first_groups(indices: Sequence[int], episodes: Sequence[Episode], n_groups: int) -> list[int]:
+    """The ``indices`` whose episode's task is among the first ``n_groups`` tasks they hold (in
+    order of first appearance): what an oversampled step trains on."""
+    order: list[str] = []
+    for i in indices:
+        if episodes[i].task_id not in order:
+            order.append(episodes[i].task_id)
+    chosen = set(order[:n_groups])
+    return [i for i in indices if episodes[i].task_id in chosen]
+
+
 def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[..., Any] | None = None,
                     progress: bool = True) -> RolloutFn:
     """The default rollout: an ``HFSampler`` on the current actor, then ``rollout.collect``.
@@ -621,7 +641,7 @@ def run_rpr(
     if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
         ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref = the actor as the stage starts
     optimizers = optimizers or make_optimizers(actor, critic, cfg)
-    stream = task_stream(train_tasks, cfg.episodes_per_step, cfg.seed, cfg.samples_per_task)
+    stream = task_stream(train_tasks, cfg.episodes_per_step * cfg.oversample, cfg.seed, cfg.samples_per_task)
     history: list[dict[str, Any]] = []
     n_calib = cfg.critic_calibration_updates
     for step in range(n_calib + cfg.steps):
@@ -636,7 +656,8 @@ def run_rpr(
         rewards = score(usable, cfg.reward, scales, scales_prime)
         fdr = score(usable, "fdr", scales)
         uniform = uniform_groups(usable) if cfg.drop_uniform_groups else set()
-        kept = [i for i, e in enumerate(usable) if e.task_id not in uniform]
+        kept = first_groups([i for i, e in enumerate(usable) if e.task_id not in uniform], usable,
+                            cfg.episodes_per_step // cfg.samples_per_task)
         contrast = bool(kept)  # no task with both outcomes: the critic still learns, the actor waits
         kept = kept if contrast else list(range(len(usable)))
         train_eps = [usable[i] for i in kept]

@@ -71,6 +71,8 @@ class RSRConfig:
 
     samples_per_task: int = 4
     """k: rollouts of the current actor per training task."""
+    tasks: int = 0
+    """Training tasks sampled: 0 every one, N a seeded sample of N of them (``seed``)."""
     planner: str = "llm"
     """"llm" (the actor rewrites its own cleaned run) or "replay" (ReplayMinimiser)."""
     fallback_to_cleaned: bool = True
@@ -100,6 +102,8 @@ class RSRConfig:
         for name in ("samples_per_task", "planner_max_new_tokens", "epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RSRConfig.{name}={getattr(self, name)}: must be >= 1")
+        if self.tasks < 0:
+            raise ValueError(f"RSRConfig.tasks={self.tasks}: use 0 (every training task) or a count")
         for name in ("lr", "max_grad_norm", "command_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RSRConfig.{name}={getattr(self, name)}: must be > 0")
@@ -120,21 +124,8 @@ class Step:
     output: str
 
 
-_STATUS = re.compile(r"^\[(exit (-?\d+)|timed out|no exit code)\]$", re.MULTILINE)
 _READ_ONLY = {"ls", "cat", "pwd", "head", "tail", "wc", "grep", "find", "stat", "file", "echo", "tree", "du",
               "df", "id", "whoami", "which", "type", "env", "printenv", "date", "diff", "sort", "uniq", "less"}
-
-
-def _block_ok(observation: str | None, n_blocks: int) -> list[bool]:
-    """Per command block, did it exit 0? Read from the "[exit N]" lines format_observation
-    writes, one per block in order; when they cannot be matched to the blocks, a turn counts
-    as failed unless every status line says exit 0."""
-    if observation is None:
-        return [False] * n_blocks
-    statuses = [m.group(2) == "0" for m in _STATUS.finditer(observation)]
-    if len(statuses) >= n_blocks:
-        return statuses[-n_blocks:] if n_blocks else []
-    return [bool(statuses) and all(statuses)] * n_blocks
 
 
 def _read_only(command: str) -> bool:
@@ -152,10 +143,7 @@ def clean_transcript(transcript: Sequence[dict[str, Any]]) -> list[Step]:
     kept: list[Step] = []
     seen_reads: set[str] = set()
     for turn in transcript:
-        commands = list(turn.get("commands") or [])
-        ok = _block_ok(turn.get("observation"), len(commands))
-        outputs = _split_outputs(turn.get("observation") or "", len(commands))
-        for cmd, good, out in zip(commands, ok, outputs):
+        for cmd, out, good in actions.read_blocks(turn.get("commands") or [], turn.get("observation")):
             cmd = cmd.strip("\n")
             if not good or not cmd.strip():
                 continue
@@ -167,16 +155,6 @@ def clean_transcript(transcript: Sequence[dict[str, Any]]) -> list[Step]:
                 seen_reads.add(cmd)
             kept.append(Step(cmd, out))
     return kept
-
-
-def _split_outputs(observation: str, n_blocks: int) -> list[str]:
-    """The output text of each block (the text before its status line)."""
-    pieces, start = [], 0
-    for m in _STATUS.finditer(observation):
-        pieces.append(observation[start:m.start()].strip("\n"))
-        start = m.end()
-    pieces = pieces[-n_blocks:] if n_blocks else []
-    return [""] * (n_blocks - len(pieces)) + pieces
 
 
 # --------------------------------------------------------------------------- replay
@@ -389,6 +367,14 @@ class RSRStats:
         return asdict(self)
 
 
+def sample_tasks(tasks: Sequence[Any], n: int, seed: int) -> list[Any]:
+    """``n`` of ``tasks`` drawn without replacement (seeded, in pool order); all when n is 0."""
+    if not n or n >= len(tasks):
+        return list(tasks)
+    keep = set(random.Random(seed).sample(range(len(tasks)), n))
+    return [t for i, t in enumerate(tasks) if i in keep]
+
+
 def make_planner(cfg: RSRConfig, actor: nn.Module, tokenizer: Any, replay_fn: ReplayFn) -> Planner:
     if cfg.planner == "replay":
         return ReplayMinimiser(replay_fn)
@@ -432,7 +418,8 @@ def run_rsr(
         return cache[key]
 
     by_id = {t.task_id: t for t in train_tasks}
-    tasks = [t for t in train_tasks for _ in range(cfg.samples_per_task)]
+    pool = sample_tasks(train_tasks, cfg.tasks, cfg.seed)
+    tasks = [t for t in pool for _ in range(cfg.samples_per_task)]
     was_training = actor.training
     actor.eval()
     episodes = rollout_fn(actor, tasks, cfg.seed)

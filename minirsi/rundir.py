@@ -212,6 +212,18 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+ADDABLE_BRANCHES = ("baselines.direct_ppo", "baselines.critic_reset", "baselines.token_gae",
+                    "baselines.continue_rpr1", "baselines.continue_rpr2")
+"""Config keys a ``--resume`` may switch on (off / 0 in the run's config): they add baseline
+branches beside the finished stages (``minirsi run --resume RUN baselines.token_gae=true``)."""
+
+
+def _get(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part, {}) if isinstance(d, dict) else {}
+    return d if d != {} else None
+
+
 def config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
     """Human-readable differences between two nested config dicts, one line per key."""
     out = []
@@ -274,7 +286,8 @@ def run_stages(cfg: RunConfig, run_dir: str | Path, stages: Sequence[StageSpec],
     """
     run_ = RunDir(run_dir)
     world = distributed.current()  # torchrun / accelerate: rank 0 owns the run directory
-    kept = _on_main(world, lambda: (_prepare_dir(cfg, run_, resume), _drop_incomplete(run_, stages))[1])
+    kept = _on_main(world, lambda: (_prepare_dir(cfg, run_, resume), _check_finished_in_plan(run_, stages),
+                                    _drop_incomplete(run_, stages))[2])
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if resume:
@@ -335,19 +348,34 @@ def _prepare_dir(cfg: RunConfig, run_: RunDir, resume: bool) -> None:
         # Through load_config, so a field added since the run started reads as its default on both
         # sides (a run from before serving.* or rpr*.tis_cap existed still resumes).
         saved = to_dict(load_config(type(cfg), run_.config))
-        diff = config_diff(saved, now)
+        added = [k for k in ADDABLE_BRANCHES if not _get(saved, k) and _get(now, k)]
+        diff = [d for d in config_diff(saved, now) if d.split(":")[0] not in added]
         if diff:
             raise ConfigError(
                 f"--resume {run_.root}: the config differs from the one the run started with:\n  "
                 + "\n  ".join(diff)
-                + "\nResume without overrides (the run's config.yaml is used) or start a new run with --out."
+                + "\nResume without overrides (the run's config.yaml is used), add a branch (one of "
+                + ", ".join(f"{k}=..." for k in ADDABLE_BRANCHES) + "), or start a new run with --out."
             )
+        if added:  # branches beside the finished stages: the run's config now has them too
+            logger.info("resume adds the branches %s", ", ".join(added))
+            save_config(cfg, run_.config)
         return
     if run_.root.exists() and any(run_.root.iterdir()):
         raise ConfigError(f"{run_.root} already holds a run; continue it with `minirsi run --resume "
                           f"{run_.root}` or pick a new --out directory")
     run_.stages.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_.config)
+
+
+def _check_finished_in_plan(run_: RunDir, stages: Sequence[StageSpec]) -> None:
+    """A finished stage whose directory the plan no longer names (a branch added on resume
+    before it in plan order would renumber it) is refused rather than silently redone."""
+    names = {run_.stage(s).name for s in stages}
+    orphans = [d for d in (p.parent.name for p in run_.stages.glob("*/DONE.json")) if d not in names]
+    if orphans:
+        raise ConfigError(f"{run_.root}: finished stages {sorted(orphans)} are not in this run's plan (a branch "
+                          f"added on resume would renumber them); start a new run with --out instead")
 
 
 def _drop_incomplete(run_: RunDir, stages: Sequence[StageSpec]) -> list[str]:

@@ -17,7 +17,6 @@ in RUN_DIR/calibration.json) are made once, by ``setup``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from minirsi.critic import build_critic, critic_skeleton, load_critic, load_crit
 from minirsi.episode import JsonlWriter
 from minirsi.evaluate import evaluate, generate_toy_suites, load_suites
 from minirsi.models import load_actor, load_actor_sharded, load_tokenizer, pad_id_of, save_actor
-from minirsi.pretrain import PretrainConfig, pretrain
+from minirsi.pretrain import PretrainConfig, config_hash, pretrain
 from minirsi.rpr import make_optimizers, make_rollout_fn, run_rpr, score
 from minirsi.rundir import RunDir, StageInputs, StageSpec, stage_seed
 from minirsi.sampler import HFSampler
@@ -112,12 +111,26 @@ def calibrate_scales(tasks: Sequence[Any], cfg: RunConfig) -> dict[str, float]:
     return fdr.calibrate(counts, quantile=cfg.fdr_quantile, fallback=cfg.fdr_fallback)
 
 
+SHIPPED_BASE = Path(__file__).parent / "presets" / "toy-base"
+"""The toy Base committed with the code (``minirsi pretrain`` with the presets' pretrain config
+wrote it; its pretrain_metrics.json names that config's hash), so every machine starts from the
+same Base and a fresh run does not pretrain."""
+
+
+def shipped_base(pcfg: PretrainConfig, root: Path = SHIPPED_BASE) -> Path | None:
+    """The shipped Base when its recorded config hash is ``pcfg``'s, else None (another pretrain
+    config: the recipe pretrains, or takes it from ``base.cache_dir``)."""
+    metrics = root / "pretrain_metrics.json"
+    if not metrics.is_file():
+        return None
+    return root if json.loads(metrics.read_text()).get("config_hash") == config_hash(pcfg) else None
+
+
 def base_cache_path(cfg: RunConfig) -> Path | None:
     """Where ``base.cache_dir`` keeps the Base of this pretrain config (None: no cache)."""
     if not cfg.base.cache_dir:
         return None
-    key = hashlib.sha256(json.dumps(to_dict(cfg.base.pretrain), sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cfg.base.cache_dir).expanduser() / f"base-{key}"
+    return Path(cfg.base.cache_dir).expanduser() / f"base-{config_hash(cfg.base.pretrain)}"
 
 
 class RecipeRunner:
@@ -170,6 +183,11 @@ class RecipeRunner:
             actor, tok = load_actor(cfg.base.model, device=cfg.device)
             save_actor(actor, tok, out / "actor")
             return {"source": cfg.base.model}
+        shipped = shipped_base(cfg.base.pretrain)
+        if shipped is not None:
+            shutil.copytree(shipped, out / "actor")
+            logger.info("Base: the shipped toy Base %s (its pretrain config is this run's)", shipped)
+            return {"source": str(shipped)}
         cached = base_cache_path(cfg)
         if cached is not None and (cached / "config.json").is_file():
             shutil.copytree(cached, out / "actor")
@@ -238,7 +256,8 @@ class RecipeRunner:
         if actor is not None:
             actor.eval().requires_grad_(False)
         seed = stage_seed(cfg.seed, spec.name)
-        tasks = [t for t in self.tasks(cfg, run_, "train") for _ in range(cfg.warmup.samples_per_task)]
+        pool = rsr.sample_tasks(self.tasks(cfg, run_, "train"), cfg.warmup.tasks, seed)
+        tasks = [t for t in pool for _ in range(cfg.warmup.samples_per_task)]
         episodes = world.on_main(lambda: rollout.collect(tasks, HFSampler(actor, tok), tok,
                                                          dataclasses.replace(cfg.rollout, seed=seed), out / "episodes.jsonl"))
         usable = [e for e in episodes if any(e.action_mask)]

@@ -331,6 +331,27 @@ def test_resume_with_a_different_config_says_what_differs(tmp_path):
     assert "rpr1.lr_actor" in msg and "eval.k" in msg and "0.5" in msg
 
 
+def test_resume_can_add_a_baseline_branch_and_redoes_nothing(tmp_path):
+    """``minirsi run --resume RUN baselines.token_gae=true``: the finished stages stay as they
+    are and only the new branch trains and is evaluated; any other change is still refused."""
+    run_dir = tmp_path / "run"
+    base = ("baselines.direct_ppo=true", "baselines.critic_reset=false", "baselines.token_gae=false")
+    first = run_fake(small_cfg(*base), run_dir, FakeRunner())
+    before = _snapshot(run_dir, list(first))
+    runner = FakeRunner()
+    results = run_fake(small_cfg(*base[:2], "baselines.token_gae=true"), run_dir, runner, resume=True)
+    assert runner.calls == ["setup", "train:rpr1_token_gae", "eval:rpr1_token_gae"]
+    assert _snapshot(run_dir, list(first)) == before and set(results) == set(first) | {"rpr1_token_gae"}
+    assert "token_gae: true" in (run_dir / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="rpr1.lr_actor"):
+        run_fake(small_cfg(*base[:2], "baselines.token_gae=true", "rpr1.lr_actor=0.5"), run_dir, FakeRunner(),
+                 resume=True)
+    # a branch that comes before finished ones in plan order would renumber them: refused
+    with pytest.raises(ConfigError, match="renumber"):
+        run_fake(small_cfg("baselines.direct_ppo=true", "baselines.critic_reset=true", "baselines.token_gae=true"),
+                 run_dir, FakeRunner(), resume=True)
+
+
 def test_new_run_refuses_an_existing_run_dir(tmp_path):
     run_fake(small_cfg("baselines.direct_ppo=false"), tmp_path / "run", FakeRunner())
     with pytest.raises(ConfigError, match="--resume"):

@@ -48,8 +48,8 @@ def hand_sessions(n: int, seed: int) -> list[Session]:
 
 
 def test_config_validation_and_overrides():
-    with pytest.raises(ValueError, match="noise"):
-        PretrainConfig(noise=1.5)
+    with pytest.raises(ValueError, match="eval_every"):
+        PretrainConfig(eval_every=-1)
     with pytest.raises(ValueError, match="preset"):
         PretrainConfig(preset="huge")
     with pytest.raises(ValueError, match="threads"):
@@ -110,13 +110,17 @@ def test_pretrain_lowers_loss_and_saves_loadable_model(tmp_path):
 
 @pytest.mark.slow
 def test_pretrain_cli_smoke(tmp_path, monkeypatch):
-    """The entry point end to end, in a subprocess, on the toy corpus (skipped until it exists)."""
-    pytest.importorskip("toy_envs.corpus")
+    """The entry point end to end, in a subprocess, on the toy corpus: the name-accuracy curve,
+    the clean-easy episodes in the sandbox and the verdict are measured and reported."""
     r = subprocess.run(
-        [sys.executable, "-m", "minirsi.cli", "pretrain", "--out", str(tmp_path / "b"), "--minutes", "0.1",
-         "--sessions", "50", "--quiet", "val_sessions=4", "max_steps=5", "batch_size=4"],
+        [sys.executable, "-m", "minirsi.cli", "pretrain", "--out", str(tmp_path / "b"), "--minutes", "1",
+         "--sessions", "50", "--quiet", "val_sessions=4", "max_steps=6", "batch_size=4", "eval_every=3",
+         "clean_easy=2"],
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "saved" in r.stdout
+    assert "saved" in r.stdout and "past the copy transition: False" in r.stdout
+    m = json.loads((tmp_path / "b" / "pretrain_metrics.json").read_text())
+    assert [p["step"] for p in m["name_curve"]] == [3, 6] and m["name_tokens"] > 0
+    assert m["clean_easy_success"] == 0.0 and m["config_hash"] and m["past_copy_transition"] is False
     load_actor(tmp_path / "b")

@@ -529,6 +529,49 @@ def test_drop_uniform_groups_trains_on_tasks_with_both_outcomes_only(mixed):
         RPRConfig(drop_uniform_groups=True)
 
 
+def test_oversampling_rolls_out_more_groups_and_trains_on_the_first_mixed_ones():
+    """oversample=2, 2 groups a step: 4 tasks drawn (16 episodes), of which "a" and "d" have
+    both outcomes and "b" "c" do not; the update sees the first 2 mixed groups, "a" and "d"."""
+    torch.manual_seed(0)
+    actor = tiny_qwen()
+    critic = build_critic(actor)
+    drawn, trained = [], []
+
+    def rollout_fn(model, tasks, seed):
+        drawn.append(list(tasks))
+        outcome = {"a": [True, False] * 2, "b": [True] * 4, "c": [False] * 4, "d": [False, True] * 2}
+        return _group_episodes({t: outcome[t] for t in dict.fromkeys(tasks)}, seed)
+
+    cfg = _cfg(episodes_per_step=8, samples_per_task=4, drop_uniform_groups=True, oversample=2, steps=1,
+               critic_calibration_updates=0, lr_actor=1e-3, reward="fdr")
+    import minirsi.rpr as rpr_mod
+
+    real = rpr_mod.prepare_batch
+
+    def spy(actor_, critic_, episodes, *args, **kw):
+        trained.append(sorted({e.task_id for e in episodes}))
+        return real(actor_, critic_, episodes, *args, **kw)
+
+    rpr_mod.prepare_batch = spy
+    try:
+        (record,) = run_rpr(actor, critic, None, ["a", "b", "c", "d"], cfg, rollout_fn, scales={"f": 1.0})
+    finally:
+        rpr_mod.prepare_batch = real
+    assert len(drawn[0]) == 16 and sorted(set(drawn[0])) == ["a", "b", "c", "d"]
+    assert trained == [["a", "d"]] and record["episodes"] == 16 and record["trained_episodes"] == 8
+    assert record["binary_reward"] == 8 / 16
+    with pytest.raises(ValueError, match="oversample"):
+        RPRConfig(oversample=2)  # only with drop_uniform_groups: the extra groups are there to be filtered
+
+
+def test_first_groups_keeps_whole_groups_in_order_of_appearance():
+    from minirsi.rpr import first_groups
+
+    eps = _group_episodes({"x": [True, False], "y": [True, False], "z": [False, True]})
+    assert [eps[i].task_id for i in first_groups(range(6), eps, 2)] == ["x", "x", "y", "y"]
+    assert first_groups([4, 5, 0], eps, 1) == [4, 5]
+
+
 # ----------------------------------------------------------------------------- end to end
 
 

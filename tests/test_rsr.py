@@ -49,6 +49,57 @@ def test_clean_keeps_repeated_writes_that_are_not_consecutive():
     assert len(clean_transcript(transcript)) == 3
 
 
+def _recovery_transcript(session):
+    """A corpus session as an Episode's transcript: one block per turn, the observation the
+    harness would have shown (actions.format_observation), then TASK_COMPLETE."""
+    from minirsi import actions
+
+    turns = [{"commands": [t.commands], "observation": actions.format_observation(
+        [SimpleNamespace(output=t.output, exit_code=t.exit_code, timed_out=False, truncated=False)])}
+        for t in session.turns]
+    return turns + [{"commands": [], "observation": None, "action": "TASK_COMPLETE"}]
+
+
+def _sandbox_ready() -> bool:
+    import shutil
+    from pathlib import Path
+
+    from minirsi.sandbox.bwrap import default_rootfs
+
+    return shutil.which("bwrap") is not None and (Path(default_rootfs()) / "usr/bin/python3").exists()
+
+
+@pytest.mark.skipif(not _sandbox_ready(), reason="bwrap or the sandbox rootfs is missing (scripts/setup.sh)")
+def test_cleaning_turns_fail_then_recover_into_a_verified_recover_first_run(tmp_path):
+    """A run that met each obstacle, read the error, fixed it and ran the command again cleans
+    to the fix first and the command once (the failed attempt is gone), and that rewrite passes
+    the verifier in a fresh sandbox: what RSR trains on is the recover-first run."""
+    import random
+
+    from minirsi.rsr import make_replay_fn
+    from minirsi.tasks import load_task
+    from toy_envs import corpus, obstacles
+    from toy_envs.base import write_task
+    from toy_envs.suites import suite_instances
+
+    tmp_path.chmod(0o755)
+    picked: dict[str, object] = {}
+    for inst in suite_instances("train", n=300):
+        for st in inst.steps:
+            if st.obstacle is not None and st.obstacle.kind not in picked:
+                picked[st.obstacle.kind] = inst
+    assert set(picked) == set(obstacles.OBSTACLES)
+    replay = make_replay_fn()
+    for kind, inst in picked.items():
+        s = corpus.session_for(inst, random.Random(0), choices={"obstacle": "recover", "stop_early": False,
+                                                               "retry": False})
+        assert any(t.exit_code != 0 for t in s.turns)  # it did meet the obstacle
+        cleaned = [step.command for step in clean_transcript(_recovery_transcript(s))]
+        assert cleaned == inst.solution, kind  # fix first, then the command, no failed attempt
+        task = load_task(write_task(inst, tmp_path))
+        assert replay(task, cleaned).success, kind
+
+
 # ----------------------------------------------------------------------------- minimiser
 
 

@@ -1,6 +1,7 @@
 """toy_envs: the generated tasks load, their oracles pass, empty runs fail with P < C, train and
-evaluation instances are disjoint, generation is deterministic, and the pretraining corpus is
-well-formed, drawn only from training families, and truthful about which sessions solve.
+evaluation instances are disjoint (obstacles included), generation is deterministic, and the
+pretraining corpus is well-formed, drawn only from training families, made at the rates its
+docs state, and truthful about what the sandbox prints and which sessions solve.
 
 The sandbox tests use minirsi's own bubblewrap sandbox and verifier (skipped where bwrap or the
 rootfs is missing); the fast ones run one task per (family, difficulty), the exhaustive one is
@@ -21,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import toy_envs
-from toy_envs import corpus
+from toy_envs import corpus, obstacles
 from toy_envs.base import DIFFICULTIES, build_instance, write_task
 from toy_envs.families import FAMILIES, TRAIN_FAMILIES, UNSEEN_FAMILIES
 from toy_envs.suites import SAMPLES, content_key, split_of, suite_instances
@@ -77,7 +78,8 @@ def _cover(instances):
     """A few instances that together use every step kind of every family, every difficulty
     and the long tag (greedy set cover), so the fast sandbox test exercises every template."""
     def items(inst):
-        return {(inst.family.name, k) for k, _ in inst.key[3]} | {inst.difficulty, inst.tags, inst.strict}
+        return ({(inst.family.name, k) for k, _, _ in inst.key[3]} | {(inst.family.name, k, o) for k, _, o in inst.key[3]}
+                | {inst.difficulty, inst.tags, inst.strict})
 
     need = set().union(*(items(i) for i in instances))
     out = []
@@ -92,17 +94,20 @@ def _cover(instances):
 
 
 def test_suites_and_families():
-    assert toy_envs.list_suites() == ["train", "core", "hard", "long", "unseen"]
+    assert toy_envs.list_suites() == ["train", "core", "hard", "long", "unseen", "dev"]
     assert len(TRAIN_FAMILIES) >= 6 and len(UNSEEN_FAMILIES) >= 2
     assert set(TRAIN_FAMILIES).isdisjoint(UNSEEN_FAMILIES)
     with pytest.raises(ValueError, match="unknown suite"):
         toy_envs.generate_suite("nope", "/tmp/never")
 
 
-def test_core_covers_every_family_and_difficulty():
-    cells = {(i.family.name, i.difficulty) for i in suite_instances("core")}
-    assert cells == {(f, d) for f in TRAIN_FAMILIES for d in DIFFICULTIES}
-    assert {i.difficulty for i in suite_instances("hard")} == {"hard", "extreme"}
+def test_core_is_what_can_move_and_extreme_is_the_hard_suite():
+    core = suite_instances("core")
+    assert len(core) >= 144
+    cells = {(i.family.name, i.difficulty) for i in core}
+    assert cells == {(f, d) for f in TRAIN_FAMILIES for d in ("easy", "medium", "hard")}
+    assert all(1 <= len(i.commands) <= 4 for i in core)
+    assert {i.difficulty for i in suite_instances("hard")} == {"extreme"}
     assert {i.family.name for i in suite_instances("unseen")} == set(UNSEEN_FAMILIES)
 
 
@@ -110,6 +115,8 @@ def test_difficulty_is_the_number_of_commands():
     want = {"easy": {1}, "medium": {2}, "hard": {3, 4}, "extreme": {5, 6}}
     for inst in suite_instances("train", n=120) + suite_instances("core"):
         assert len(inst.commands) in want[inst.difficulty], inst.task_id
+        fixes = sum(len(s.obstacle.fix) for s in inst.steps if s.obstacle)
+        assert len(inst.solution) == len(inst.commands) + fixes  # an obstacle's fix is not counted
     for inst in suite_instances("long"):
         assert 8 <= len(inst.commands) <= 10 and "long" in inst.tags
         assert sum(len(s.checks) for s in inst.steps) >= 14  # many checks: process reward P/C
@@ -198,6 +205,26 @@ def test_split_ignores_step_order_and_strictness():
     assert split_of(flipped.key) == split_of(inst.key) == "eval"
 
 
+def test_obstacles_are_part_of_the_key_and_the_held_out_split():
+    """An obstacle is a field of the instance key: the same names with or without it are two
+    tasks (two ids, two content keys), each on its own side of the split; a held-out instance
+    is never a training instance, obstacles included."""
+    core = suite_instances("core")
+    inst = next(i for i in core if any(o for _, _, o in i.key[3]))
+    family, difficulty, strict, steps = inst.key
+    bare = build_instance(FAMILIES[family], difficulty, strict, tuple((k, p, "") for k, p, _ in steps))
+    assert content_key(bare.key) != content_key(inst.key) and bare.task_id != inst.task_id
+    assert all(s.obstacle is None for s in bare.steps) and any(s.obstacle for s in inst.steps)
+    assert bare.instruction == inst.instruction  # nothing in the instruction says there is one
+    flips = [build_instance(FAMILIES[f], d, st_, tuple((k, p, "") for k, p, _ in ss)).key
+             for f, d, st_, ss in (i.key for i in core)]
+    assert {split_of(k) for k in flips} == {"train", "eval"}  # the split hashes the obstacle too
+    train_keys = {content_key(i.key) for i in suite_instances("train")}
+    assert train_keys.isdisjoint(content_key(i.key) for i in core)
+    with pytest.raises(ValueError, match="admits obstacles"):
+        build_instance(FAMILIES["files"], "easy", False, (("mkdir", ("red",), "read_only"),))
+
+
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_corpus_never_contains_an_evaluation_instance_or_an_unseen_family(seed):
@@ -211,53 +238,126 @@ def test_corpus_never_contains_an_evaluation_instance_or_an_unseen_family(seed):
 
 
 def test_corpus_sessions_are_well_formed_and_deterministic():
-    a = corpus.sessions(400, seed=1, noise=0.3)
-    assert [(s.instruction, s.turns) for s in a] == [(s.instruction, s.turns) for s in corpus.sessions(400, seed=1, noise=0.3)]
+    a = corpus.sessions(400, seed=1)
+    assert [(s.instruction, s.turns) for s in a] == [(s.instruction, s.turns) for s in corpus.sessions(400, seed=1)]
     for s in a:
         assert isinstance(s, corpus.Session) and s.instruction.endswith("\n")
-        assert s.difficulty in DIFFICULTIES and s.noise in (None, *corpus.NOISE_WEIGHTS)
+        assert s.difficulty in DIFFICULTIES
+        for d in s.defects:
+            assert d in ("stop_early", "retry") or d.split(":")[1] in obstacles.DEMONSTRATOR, d
         for t in s.turns:
             assert isinstance(t, corpus.Turn) and isinstance(t.commands, str) and t.commands.strip()
             assert isinstance(t.output, str) and isinstance(t.exit_code, int)
             assert "\n" not in t.commands  # one command per turn
-        if s.noise is None:
+        if not s.defects:
             assert s.solved and all(t.exit_code == 0 for t in s.turns)
-    noisy = sum(s.noise is not None for s in a) / len(a)
-    assert 0.2 < noisy < 0.4
-    assert any(t.exit_code != 0 for s in a if s.noise == "retry" for t in s.turns)
+        assert s.solved == all(d == "retry" or d.endswith(":recover") for d in s.defects)
     assert any(t.output for s in a for t in s.turns)  # ls / cat / git print something
 
 
-def test_clean_sessions_are_the_oracle_commands():
-    for s in corpus.sessions(200, seed=2, noise=0.0, explore=0.0):
-        family, difficulty, strict, steps = s.key
-        inst = build_instance(FAMILIES[family], difficulty, strict, steps)
-        assert [t.commands for t in s.turns] == [c.text for c in inst.commands]
-        assert s.instruction == inst.instruction
+def test_corpus_is_made_at_the_rates_its_docs_state():
+    """toy_envs/obstacles.py's rates, measured on 6000 sessions (tolerances ~4 standard errors):
+    obstacles on the steps that admit one, the demonstrator's choice after each, stopping early,
+    retrying, and the solved share against the mean of ``analytic_success``."""
+    ss = corpus.sessions(6000, seed=11)
+    insts = [build_instance(FAMILIES[s.key[0]], *s.key[1:]) for s in ss]
+    eligible = [st_ for i in insts for st_ in i.steps if i.family.kind(_kind_of(i, st_)).obstacles]
+    assert abs(sum(st_.obstacle is not None for st_ in eligible) / len(eligible) - obstacles.OBSTACLE_RATE) < 0.02
+    choices = [d.split(":")[1] for s in ss for d in s.defects if ":" in d]
+    for choice, rate in obstacles.DEMONSTRATOR.items():
+        assert abs(choices.count(choice) / len(choices) - rate) < 0.025, choice
+    multi = [s for s, i in zip(ss, insts) if len(i.commands) >= 2]
+    assert abs(sum("stop_early" in s.defects for s in multi) / len(multi) - obstacles.STOP_EARLY) < 0.025
+    # a retry needs a command that reads a file and meets no obstacle: count where every one does
+    clean = [s for s, i in zip(ss, insts) if not any(st_.obstacle for st_ in i.steps)
+             and any(c.reads and c.error for c in i.commands)]
+    assert len(clean) > 500
+    assert abs(sum("retry" in s.defects for s in clean) / len(clean) - obstacles.RETRY) < 0.03
+    expected = sum(obstacles.analytic_success(i) for i in insts) / len(insts)
+    assert abs(sum(s.solved for s in ss) / len(ss) - expected) < 0.025
+
+
+def _kind_of(inst, step):
+    return inst.key[3][inst.steps.index(step)][0]
+
+
+def test_the_demonstrators_rates_give_the_documented_dev_success():
+    """The numbers toy_envs/README.md quotes for ``python -m toy_envs rates``."""
+    r = obstacles.dev_report()
+    assert r["n"] == 720 and round(r["success"], 3) == 0.232
+    assert {d: round(v, 3) for d, v in r["by_difficulty"].items()} == {"easy": 0.469, "medium": 0.161, "hard": 0.065}
+
+
+def test_recovery_sessions_fail_first_then_fix_then_redo():
+    inst = next(i for i in suite_instances("train")
+                if sum(s.obstacle is not None for s in i.steps) == 1 and len(i.commands) >= 2)
+    step = next(s for s in inst.steps if s.obstacle)
+    ob = step.obstacle
+    rng = __import__("random").Random(0)
+    rec = corpus.session_for(inst, rng, choices={"obstacle": "recover", "stop_early": False, "retry": False})
+    cmds = [t.commands for t in rec.turns]
+    blocked = step.cmds[ob.at].text
+    i = cmds.index(blocked)
+    assert rec.turns[i].exit_code == ob.exit_code and rec.turns[i].output == ob.error + "\n"
+    assert cmds[i + 1:i + 2 + len(ob.fix)] == [*ob.fix, ob.redo or blocked] and rec.solved
+    for choice, n in (("move_on", 1), ("repeat", 2)):
+        s = corpus.session_for(inst, rng, choices={"obstacle": choice, "stop_early": False, "retry": False})
+        assert [t.commands for t in s.turns].count(blocked) == n and not s.solved
+        assert not set(ob.fix) & {t.commands for t in s.turns}
+    early = corpus.session_for(inst, rng, choices={"obstacle": "recover", "stop_early": True, "retry": False})
+    assert not early.solved and [t.commands for t in early.turns] != cmds
+
+
+def test_a_session_without_defects_is_the_oracle():
+    n = 0
+    for s in corpus.sessions(300, seed=2, explore=0.0):
+        if not s.defects:
+            inst = build_instance(FAMILIES[s.key[0]], *s.key[1:])
+            assert [t.commands for t in s.turns] == inst.solution and s.instruction == inst.instruction
+            n += 1
+    assert n > 30
 
 
 def test_corpus_rejects_bad_knobs():
-    with pytest.raises(ValueError, match="noise"):
-        corpus.sessions(3, noise=1.5)
+    with pytest.raises(ValueError, match="explore"):
+        corpus.sessions(3, explore=1.5)
     with pytest.raises(ValueError, match="unknown difficulties"):
         corpus.sessions(3, difficulty_weights={"trivial": 1.0})
 
 
+def _replayable(turn) -> bool:
+    """Turns whose output the corpus cannot know byte for byte: a commit's hash."""
+    return not turn.commands.startswith("git commit")
+
+
 @needs_sandbox
-def test_corpus_solved_flag_is_true_in_the_sandbox(task_root):
-    """Replaying a session's commands passes the verifier iff the session says it is solved."""
-    picked, kinds = [], set()
-    for s in corpus.sessions(300, seed=5, noise=0.6, explore=0.3):
-        if (s.noise, s.family) not in kinds:
-            kinds.add((s.noise, s.family))
+def test_corpus_sessions_replay_in_the_sandbox_as_written(task_root):
+    """Every turn of a session prints in a real sandbox what the corpus says it prints (the
+    obstacles' errors included, so what the Base learned to read is what a rollout shows), and
+    replaying a session passes the verifier iff the session says it is solved."""
+    picked, seen = [], set()
+    for s in corpus.sessions(1500, seed=5, explore=0.3):
+        cell = (s.family, tuple(sorted(s.defects)))
+        if cell not in seen:
+            seen.add(cell)
             picked.append(s)
-    picked = picked[:12]
-    assert {s.solved for s in picked} == {True, False}
+    kinds = {d for s in picked for d in s.defects}
+    assert {f"{o}:{c}" for o in obstacles.OBSTACLES for c in obstacles.DEMONSTRATOR} | {"stop_early", "retry"} <= kinds
+    from minirsi.sandbox import open_sandbox
+    from minirsi.tasks import load_task
+    from minirsi.verifier import verify
+
     for s in picked:
         family, difficulty, strict, steps = s.key
-        task = write_task(build_instance(FAMILIES[family], difficulty, strict, steps), task_root)
-        r = _run(task, [t.commands for t in s.turns])
-        assert r.success == s.solved, (s.noise, s.instruction, [t.commands for t in s.turns], r)
+        task = load_task(write_task(build_instance(FAMILIES[family], difficulty, strict, steps), task_root))
+        with open_sandbox(task) as sb:
+            for t in s.turns:
+                r = sb.run(t.commands, 30)
+                assert r.exit_code == t.exit_code, (s.instruction, t, r)
+                if _replayable(t):
+                    assert r.output == t.output, (s.instruction, t, r)
+            v = verify(sb, task)
+        assert v.success == s.solved, (s.defects, s.instruction, [t.commands for t in s.turns], v)
 
 
 # ----------------------------------------------------------------------------- sandbox
@@ -265,10 +365,11 @@ def test_corpus_solved_flag_is_true_in_the_sandbox(task_root):
 
 @needs_sandbox
 def test_oracle_passes_and_empty_run_fails_on_every_step_kind(task_root):
-    insts = [i for s in ("core", "hard", "unseen") for i in suite_instances(s, n=72)] + suite_instances("long", n=2)
+    insts = ([i for s in ("hard", "unseen") for i in suite_instances(s, n=72)] + suite_instances("core")
+             + suite_instances("train", n=300) + suite_instances("long", n=2))
     picked = _cover(insts)
-    kinds = {(i.family.name, k) for i in picked for k, _ in i.key[3]}
-    assert kinds == {(f.name, k.name) for f in FAMILIES.values() for k in f.kinds}
+    kinds = {(i.family.name, k, o) for i in picked for k, _, o in i.key[3]}
+    assert kinds == {(f.name, k.name, o) for f in FAMILIES.values() for k in f.kinds for o in ("", *k.obstacles)}
     for inst in picked:
         _check_oracle_and_empty(write_task(inst, task_root))
 
@@ -285,7 +386,7 @@ def test_strict_gate_fails_a_run_that_passes_every_check(task_root):
     """The paper's 48 runs: P = C, yet S = 0 (a file the instruction forbade)."""
     inst = next(i for i in suite_instances("core") if i.strict)
     task = write_task(inst, task_root)
-    commands = [c.text for c in inst.commands] + ["echo scratch > notes.txt"]
+    commands = inst.solution + ["echo scratch > notes.txt"]
     r = _run(task, commands)
     assert r.passed == r.total > 0 and not r.success
     assert any("no_other_files" in k and v == "failed" for k, v in r.checks.items())

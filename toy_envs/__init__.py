@@ -7,9 +7,9 @@ Harbor / Terminal-Bench 2 layout (toy_envs/base.py), so minirsi loads toy and re
 
     import toy_envs
     paths = toy_envs.generate_suite("core", "runs/tasks/core", n=None, seed=0)
-    toy_envs.list_suites()             # ['train', 'core', 'hard', 'long', 'unseen']
+    toy_envs.list_suites()             # ['train', 'core', 'hard', 'long', 'unseen', 'dev']
     from toy_envs import corpus
-    data = corpus.sessions(1000, seed=0, noise=0.3)   # pretraining sessions (structured)
+    data = corpus.sessions(1000, seed=0)              # the demonstrator's sessions (structured)
 
 Command line: ``python -m toy_envs SUITE OUT_DIR [--n N] [--seed S]``.
 Authors' guide: toy_envs/README.md.

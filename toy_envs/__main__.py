@@ -1,6 +1,8 @@
 """``python -m toy_envs SUITE OUT_DIR [--n N] [--seed S]``: write a toy suite to OUT_DIR.
 
-``python -m toy_envs samples toy_envs/samples`` rewrites the committed samples.
+``python -m toy_envs samples toy_envs/samples`` rewrites the committed samples;
+``python -m toy_envs rates`` prints the demonstrator's analytic success on the dev split
+(what toy_envs/obstacles.py's rates were fixed from).
 """
 
 from __future__ import annotations
@@ -8,10 +10,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+import json
+
 from toy_envs.suites import SUITES, generate_suite, write_samples
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (argv if argv is not None else sys.argv[1:])[:1] == ["rates"]:
+        from toy_envs.obstacles import dev_report
+
+        print(json.dumps(dev_report(), indent=1))
+        return 0
     parser = argparse.ArgumentParser(prog="python -m toy_envs", description="Write a toy task suite (Harbor layout).")
     parser.add_argument("suite", choices=[*SUITES, "samples"], help="which suite ('samples': the committed samples)")
     parser.add_argument("out_dir", help="directory to write the task directories into")

@@ -7,10 +7,11 @@ the agent starts, and its checks (one test function each; docs/method.md section
 the number of canonical commands: easy = 1, medium = 2, hard = 3-4, extreme = 5 or more.
 
 An instance is a pure function of its *key*, ``(family, difficulty, strict, steps)`` with
-``steps = ((kind, params), ...)``: the params are the names drawn from toy_envs/words.py, and
-every other detail (file contents, numbers) comes from an RNG seeded by the key's hash. So
-two instances with the same key are the same task, and train / eval disjointness is a
-property of keys alone (toy_envs/suites.py).
+``steps = ((kind, params, obstacle), ...)``: the params are the names drawn from
+toy_envs/words.py, the obstacle "" or one of toy_envs/obstacles.py's (what makes a canonical
+command fail in this instance), and every other detail (file contents, numbers) comes from an
+RNG seeded by the key's hash. So two instances with the same key are the same task, and
+train / eval disjointness is a property of keys alone (toy_envs/suites.py).
 
 The gate (``/logs/verifier/reward.txt``) is 1 iff every test passes, hygiene tests
 included. ``strict`` instances add the sentence "Do not create any other files." and a hygiene
@@ -19,7 +20,7 @@ paper's 48 runs.
 
 Rendering (``write_task``) produces::
 
-    <task_id>/instruction.md  task.toml  environment/  solution/solve.sh
+    <task_id>/instruction.md  task.toml  environment/  solution/solve.sh  solution/toy.json
     <task_id>/tests/test.sh  tests/test_outputs.py  tests/run_checks.py
 
 The checks are a pytest module, but test.sh runs them with ``run_checks.py`` (standard library
@@ -29,6 +30,7 @@ only, ~0.03 s) instead of pytest (~0.15 s, mostly its start-up): see that file f
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shlex
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from toy_envs import obstacles
+from toy_envs.obstacles import Obstacle
 from toy_envs.words import Exhausted, NamePool
 
 DIFFICULTIES = ("easy", "medium", "hard", "extreme")
@@ -91,6 +95,17 @@ class Step:
     """Top-level names in /app this step may create (allowed by the strict hygiene test)."""
     setup: tuple[str, ...] = ()
     """Shell lines run after the family's set-up (e.g. an untracked file in a git repo)."""
+    obstacle: Obstacle | None = None
+    """What makes one of ``cmds`` fail in this instance (toy_envs/obstacles.py), or None."""
+
+    @property
+    def solution(self) -> list[str]:
+        """The commands that solve the step: ``cmds``, with the obstacle's fix first."""
+        out = [c.text for c in self.cmds]
+        ob = self.obstacle
+        if ob is not None:
+            out[ob.at:ob.at + 1] = [*ob.fix, ob.redo or out[ob.at]]
+        return out
 
 
 @dataclass
@@ -107,13 +122,26 @@ class StepKind:
     """A parameterised step: ``sample`` draws the names, ``build`` makes the step.
 
     ``build(params, rng, state)`` must use only ``params`` and ``rng`` (seeded from the task
-    key) so an instance is a pure function of its key.
+    key) so an instance is a pure function of its key; a kind that admits obstacles is built
+    with ``build(params, rng, state, obstacle=NAME)`` when the instance has one.
     """
 
     name: str
     n_cmds: int
     sample: Callable[[random.Random, NamePool], tuple | None]
-    build: Callable[[tuple, random.Random, State], Step]
+    build: Callable[..., Step]
+    obstacles: tuple[str, ...] = ()
+    """The obstacles (toy_envs/obstacles.py) this kind can be built with."""
+
+    def make(self, params: tuple, rng: random.Random, state: State, obstacle: str = "") -> Step:
+        if not obstacle:
+            return self.build(params, rng, state)
+        if obstacle not in self.obstacles:
+            raise ValueError(f"step kind {self.name!r} admits obstacles {self.obstacles}, not {obstacle!r}")
+        step = self.build(params, rng, state, obstacle=obstacle)
+        if step.obstacle is None or step.obstacle.kind != obstacle:
+            raise ValueError(f"step kind {self.name!r} built with obstacle {obstacle!r} has {step.obstacle}")
+        return step
 
 
 @dataclass(frozen=True)
@@ -158,7 +186,13 @@ class Instance:
 
     @property
     def commands(self) -> list[Cmd]:
+        """The canonical commands (their number is the difficulty); obstacles not removed."""
         return [c for s in self.steps for c in s.cmds]
+
+    @property
+    def solution(self) -> list[str]:
+        """The oracle's commands: the canonical ones with each obstacle's fix before it."""
+        return [c for s in self.steps for c in s.solution]
 
     @property
     def setup(self) -> list[str]:
@@ -180,18 +214,19 @@ def stable_hash(obj: object) -> int:
 
 
 def build_instance(family: Family, difficulty: str, strict: bool, steps: tuple, tags=()) -> Instance:
-    """Key -> instance. ``steps`` is ``((kind_name, params), ...)``."""
+    """Key -> instance. ``steps`` is ``((kind_name, params, obstacle), ...)``, obstacle "" for none."""
     key = (family.name, difficulty, strict, tuple(steps))
     rng = random.Random(stable_hash(key))
     state = State()
-    built = [family.kind(kind).build(params, rng, state) for kind, params in steps]
+    built = [family.kind(kind).make(params, rng, state, obstacle) for kind, params, obstacle in steps]
     return Instance(family, difficulty, key, built, strict, tuple(tags))
 
 
 def sample_instance(family: Family, difficulty: str, n_cmds: int, rng: random.Random, strict: bool, tags=()) -> Instance:
-    """Draw steps whose canonical commands add up to exactly ``n_cmds``."""
+    """Draw steps whose canonical commands add up to exactly ``n_cmds``; each step whose kind
+    admits obstacles gets one with probability ``obstacles.OBSTACLE_RATE``."""
     pool = NamePool(rng)
-    steps: list[tuple[str, tuple]] = []
+    steps: list[tuple[str, tuple, str]] = []
     left = n_cmds
     for _attempt in range(100):
         if left == 0:
@@ -199,14 +234,15 @@ def sample_instance(family: Family, difficulty: str, n_cmds: int, rng: random.Ra
         fits = [k for k in family.kinds if k.n_cmds <= left]
         if not fits:
             raise ValueError(f"family {family.name}: no step kind fits {left} commands")
-        k = rng.choice(fits)
+        k = rng.choices(fits, [obstacles.KIND_WEIGHT if f.obstacles else 1.0 for f in fits])[0]
         try:
             params = k.sample(rng, pool)
         except Exhausted:
             params = None
         if params is None:  # the kind declined (e.g. a second branch switch in one task)
             continue
-        steps.append((k.name, params))
+        obstacle = rng.choice(k.obstacles) if k.obstacles and rng.random() < obstacles.OBSTACLE_RATE else ""
+        steps.append((k.name, params, obstacle))
         left -= k.n_cmds
     if left:
         raise ValueError(f"family {family.name}: could not fill {n_cmds} commands")
@@ -283,8 +319,23 @@ def _allowed_names(inst: Instance) -> set[str]:
 
 
 def solve_source(inst: Instance) -> str:
-    cmds = "\n".join(c.text for c in inst.commands)
-    return f"#!/bin/bash\n# Oracle of toy task {inst.task_id}: the canonical commands, one per line.\nset -e\ncd /app\n{cmds}\n"
+    cmds = "\n".join(inst.solution)
+    return (f"#!/bin/bash\n# Oracle of toy task {inst.task_id}: the canonical commands, one per line, each "
+            f"obstacle's fix before the command it blocks.\nset -e\ncd /app\n{cmds}\n")
+
+
+def toy_metadata(inst: Instance) -> dict:
+    """solution/toy.json: what the failure taxonomy (minirsi/failures.py) reads after a run; the
+    agent never sees solution/. ``canonical``: the canonical commands; ``obstacles``: per
+    obstacle its kind, the blocked command, the error, the fix and the redo command."""
+    obs = []
+    for s in inst.steps:
+        if s.obstacle is not None:
+            ob = s.obstacle
+            cmd = s.cmds[ob.at].text
+            obs.append({"kind": ob.kind, "command": cmd, "error": ob.error, "exit_code": ob.exit_code,
+                        "fix": list(ob.fix), "redo": ob.redo or cmd})
+    return {"canonical": [c.text for c in inst.commands], "obstacles": obs}
 
 
 def task_toml(inst: Instance) -> str:
@@ -315,6 +366,7 @@ def write_task(inst: Instance, out_dir: Path) -> Path:
         body = "\n".join(inst.setup)
         _write(root / "environment" / "setup.sh", f"#!/bin/bash\n# Set-up run in /app before the agent starts.\nset -e\ncd /app\n{body}\n".encode(), 0o755)
     _write(root / "solution" / "solve.sh", solve_source(inst).encode(), 0o755)
+    _write(root / "solution" / "toy.json", (json.dumps(toy_metadata(inst), indent=1) + "\n").encode())
     _write(root / "tests" / "test.sh", TEST_SH.encode(), 0o755)
     _write(root / "tests" / "test_outputs.py", test_source(inst).encode())
     _write(root / "tests" / "run_checks.py", RUN_CHECKS.read_bytes())

@@ -2,42 +2,39 @@
 
 A session is a training-family task drawn from the same templates as the suites (fresh
 random names, and only keys on the "train" side of ``toy_envs.suites.split_of``, so no
-evaluation instance is ever seen) together with the turns an agent would take: one canonical
-command per turn and what the shell prints for it (most commands print nothing; ``ls``,
-``cat``, ``unzip``, ``git commit`` print what they would). The renderer in minirsi/actions.py
-turns a session into chat text and appends the final ``TASK_COMPLETE`` reply; this module
-never renders text.
+evaluation instance is ever seen) together with the turns of a *demonstrator*: one command per
+turn and what the shell prints for it (most commands print nothing; ``ls``, ``cat``, ``unzip``,
+``git commit`` and failing commands print what they would: tests/test_toy_envs.py replays
+sessions in the sandbox and compares). The renderer in minirsi/actions.py turns a session into
+chat text and appends the final ``TASK_COMPLETE`` reply; this module never renders text.
 
-Knobs (all arguments of ``sessions``):
+The demonstrator is right about names and commands, and imperfect about decisions, at the rates
+fixed in toy_envs/obstacles.py (the same for every instance, never tuned against RL results):
 
-``noise`` (default 0.3)
-    Share of imperfect sessions, so that a model trained on them is imperfect (Base 5-40%)
-    but has seen the right moves. An imperfect session has one of these defects:
+==============  ==========================================================  ==========
+defect          what happens                                                solved
+==============  ==========================================================  ==========
+(obstacle)      the canonical command fails with the obstacle's error, then
+  recover         the fix, and the command again                            yes
+  move_on         the next step (the failed command is never redone)        no
+  repeat          the same failing command once more, then the next step   no
+stop_early      the last canonical command is left out                      no
+retry           one command first names a missing file, fails with the      yes
+                real error text, and is run right
+==============  ==========================================================  ==========
 
-    ============  ======================================================  =========
-    kind          what happens                                            solved
-    ============  ======================================================  =========
-    retry         a command names a missing file, fails with the real      yes
-                  error text, and is retried correctly
-    no_retry      the same failing command, never retried                 no
-    wrong_file    a file the command creates gets a wrong name (silent)   no
-    wrong_arg     a word argument (directory, mode, fruit, message) is    no
-                  swapped for another one from its list (silent)
-    missing_step  one canonical command is left out                       no
-    ============  ======================================================  =========
+So a model trained on these sessions has seen every right move, copies names (the corpus
+never swaps one silently), and fails where the demonstrator decides wrong.
 
-    drawn with weights ``NOISE_WEIGHTS``; so about ``0.7 * noise`` of sessions end unsolved.
-``explore`` (default 0.2)
-    Share of sessions that first look around: ``ls`` (and, half of those, ``cat`` of the
-    first text file the solution reads).
-``difficulty_weights`` (default easy .4, medium .3, hard .2, extreme .1)
-    How often each difficulty is drawn; families are drawn uniformly.
+Knobs (arguments of ``sessions``): ``explore`` (default 0.2), the share of sessions that first
+look around (``ls``, and half of those ``cat`` of the first text input); ``difficulty_weights``
+(default easy .4, medium .3, hard .2, extreme .1); families are drawn uniformly.
 
 Call::
 
     from toy_envs import corpus
-    data = corpus.sessions(5000, seed=0, noise=0.3)
-    data[0].instruction, data[0].turns[0].commands, data[0].turns[0].output
+    data = corpus.sessions(5000, seed=0)
+    data[0].instruction, data[0].turns[0].commands, data[0].turns[0].output, data[0].defects
 """
 
 from __future__ import annotations
@@ -46,15 +43,14 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from toy_envs import obstacles
 from toy_envs.base import Cmd, Instance, stable_hash
 from toy_envs.families import TRAIN_FAMILIES
 from toy_envs.suites import draw
-from toy_envs.words import DIRS, FILES, FRUITS, MODES, TAGS
+from toy_envs.words import FILES
 
-NOISE_WEIGHTS = {"retry": 0.3, "no_retry": 0.1, "wrong_file": 0.2, "wrong_arg": 0.2, "missing_step": 0.2}
 DIFFICULTY_WEIGHTS = {"easy": 0.4, "medium": 0.3, "hard": 0.2, "extreme": 0.1}
 STRICT_SHARE = 0.3
-_SWAPPABLE = (DIRS, FRUITS, TAGS, MODES)
 
 
 @dataclass
@@ -78,25 +74,24 @@ class Session:
     task_id: str
     key: tuple = field(repr=False)
     """The instance key (toy_envs.base): always on the "train" side of the split."""
-    noise: str | None = None
-    """None for a clean session, else the kind of defect (see the module docstring)."""
+    defects: tuple[str, ...] = ()
+    """What the demonstrator did wrong or took a detour for, in order: ``"<obstacle>:<choice>"``
+    per obstacle met (choice recover | move_on | repeat), ``"stop_early"``, ``"retry"``."""
     solved: bool = True
-    """Whether the session's commands would pass the task's verifier."""
+    """Whether the session's commands pass the task's verifier (tested in the sandbox)."""
 
 
 def sessions(
     n: int,
     seed: int = 0,
-    noise: float = 0.3,
     explore: float = 0.2,
     difficulty_weights: dict[str, float] | None = None,
 ) -> list[Session]:
-    """``n`` sessions over the training families, deterministic for ``seed``."""
+    """``n`` demonstrator sessions over the training families, deterministic for ``seed``."""
     if n < 0:
         raise ValueError(f"corpus.sessions: n must be >= 0, got {n}")
-    for name, x in (("noise", noise), ("explore", explore)):
-        if not 0.0 <= x <= 1.0:
-            raise ValueError(f"corpus.sessions: {name} must be in [0, 1], got {x}")
+    if not 0.0 <= explore <= 1.0:
+        raise ValueError(f"corpus.sessions: explore must be in [0, 1], got {explore}")
     weights = difficulty_weights or DIFFICULTY_WEIGHTS
     bad = set(weights) - set(DIFFICULTY_WEIGHTS)
     if bad:
@@ -108,22 +103,55 @@ def sessions(
         family = rng.choice(TRAIN_FAMILIES)
         difficulty = rng.choices(diffs, dw)[0]
         inst = draw(family, difficulty, "train", rng, rng.random() < STRICT_SHARE)
-        kind = rng.choices(list(NOISE_WEIGHTS), list(NOISE_WEIGHTS.values()))[0] if rng.random() < noise else None
-        out.append(session_for(inst, rng, kind, rng.random() < explore))
+        out.append(session_for(inst, rng, look=rng.random() < explore))
     return out
 
 
-def session_for(inst: Instance, rng: random.Random, kind: str | None = None, look: bool = False) -> Session:
-    """The turns of one instance, with defect ``kind`` (None: the clean canonical run)."""
-    cmds = list(inst.commands)
-    turns = _look(inst, rng) if look else []
+def session_for(inst: Instance, rng: random.Random, look: bool = False, choices: dict | None = None) -> Session:
+    """The demonstrator's session of one instance.
+
+    ``choices`` fixes what would otherwise be drawn at the rates of toy_envs/obstacles.py:
+    ``{"obstacle": "recover" | "move_on" | "repeat", "stop_early": bool, "retry": bool}``
+    (``obstacle`` applies to every obstacle of the instance); tests use it.
+    """
+    choices = choices or {}
+    defects: list[str] = []
     solved = True
-    if kind is not None:
-        kind, solved, cmds_turns = _defect(inst, cmds, rng, kind)
-    else:
-        cmds_turns = [_turn(c) for c in cmds]
-    return Session(inst.instruction, turns + cmds_turns, inst.family.name, inst.difficulty, inst.task_id,
-                   inst.key, kind, solved)
+    turns = _look(inst, rng) if look else []
+    plan: list[tuple[Cmd, list[Turn]]] = []  # per canonical command run, the turns it takes
+    for step in inst.steps:
+        for i, c in enumerate(step.cmds):
+            ob = step.obstacle if step.obstacle is not None and step.obstacle.at == i else None
+            if ob is None:
+                plan.append((c, [_turn(c)]))
+                continue
+            choice = choices.get("obstacle") or _pick(rng, obstacles.DEMONSTRATOR)
+            defects.append(f"{ob.kind}:{choice}")
+            failed = Turn(c.text, ob.error + "\n", ob.exit_code)
+            if choice == "recover":
+                plan.append((c, [failed, *(Turn(f, "", 0) for f in ob.fix), Turn(ob.redo or c.text, c.output, c.exit_code)]))
+                continue
+            # move_on / repeat: the step is given up; its later commands (which need the failed
+            # one: a commit after a refused ``git add``) are not run either
+            plan.append((c, [failed] * (2 if choice == "repeat" else 1)))
+            solved = False
+            break
+    retry = choices["retry"] if "retry" in choices else rng.random() < obstacles.RETRY
+    if retry:
+        _retry(inst, plan, rng, defects)
+    multi = len(inst.commands) >= 2
+    stop = choices["stop_early"] if "stop_early" in choices else (multi and rng.random() < obstacles.STOP_EARLY)
+    if stop and multi:
+        plan.pop()
+        defects.append("stop_early")
+        solved = False
+    turns += [t for _, ts in plan for t in ts]
+    return Session(inst.instruction, turns, inst.family.name, inst.difficulty, inst.task_id, inst.key,
+                   tuple(defects), solved)
+
+
+def _pick(rng: random.Random, weights: dict[str, float]) -> str:
+    return rng.choices(list(weights), list(weights.values()))[0]
 
 
 def _turn(c: Cmd) -> Turn:
@@ -135,72 +163,33 @@ def _look(inst: Instance, rng: random.Random) -> list[Turn]:
     names = {p.split("/")[0] for p in inst.files()}
     for line in inst.setup:  # files the set-up script writes, e.g. "echo plum > cat.txt"
         m = re.search(r"> (\S+)$", line)
-        if m:
+        if m and "/" not in m.group(1) and not m.group(1).startswith("."):  # ls hides dot files
             names.add(m.group(1))
     turns = [Turn("ls", "".join(f"{x}\n" for x in sorted(names)), 0)]
     if rng.random() < 0.5:
         files = inst.files()
         for c in inst.commands:
-            readable = [r for r in c.reads if r in files and not r.endswith((".tar", ".zip"))]
+            readable = [r for r in c.reads if r in files and not r.endswith((".tar", ".zip"))
+                        and not any(r in line for line in inst.setup)]  # set-up may have changed it
             if readable:
                 turns.append(Turn(f"cat {readable[0]}", files[readable[0]].content.decode(), 0))
                 break
     return turns
 
 
-def _other_stem(inst: Instance, rng: random.Random) -> str:
-    """A file stem the task never mentions (so a command using it names a missing file)."""
+def _retry(inst: Instance, plan: list[tuple[Cmd, list[Turn]]], rng: random.Random, defects: list[str]) -> None:
+    """A command that reads a file first names one the task never mentions, fails, and is
+    run right next (only commands without an obstacle of their own)."""
+    reading = [i for i, (c, ts) in enumerate(plan) if c.reads and c.error and ts == [_turn(c)]]
+    if not reading:
+        return
+    i = rng.choice(reading)
+    c, ts = plan[i]
+    path = rng.choice(c.reads)
     free = [w for w in FILES if not re.search(rf"\b{w}\b", inst.instruction)]
-    return rng.choice(free)
-
-
-def _defect(inst: Instance, cmds: list[Cmd], rng: random.Random, kind: str):
-    """Apply defect ``kind`` (falling back to a simpler one when it does not apply)."""
-    reading = [i for i, c in enumerate(cmds) if c.reads and c.error]
-    writing = [i for i, c in enumerate(cmds) if c.writes]
-    swappable = [i for i, c in enumerate(cmds) if not c.text.startswith("grep") and _swap_word(c.text)]
-    if kind in ("retry", "no_retry") and not reading:
-        kind = "wrong_arg"
-    if kind == "wrong_arg" and not swappable:
-        kind = "wrong_file"
-    if kind == "wrong_file" and not writing:
-        kind = "missing_step"
-    turns = [_turn(c) for c in cmds]
-    if kind in ("retry", "no_retry"):
-        i = rng.choice(reading)
-        c = cmds[i]
-        path = rng.choice(c.reads)
-        wrong = _rename(path, _other_stem(inst, rng))
-        bad = Turn(_sub(c.text, path, wrong), c.error.format(path=wrong) + "\n", c.error_code)
-        turns[i:i + 1] = [bad, _turn(c)] if kind == "retry" else [bad]
-        return kind, kind == "retry", turns
-    if kind == "wrong_file":
-        i = rng.choice(writing)
-        c = cmds[i]
-        path = rng.choice(c.writes)
-        wrong = _rename(path, _other_stem(inst, rng))
-        turns[i] = Turn(_sub(c.text, path, wrong), _sub(c.output, path, wrong), c.exit_code)
-        return kind, False, turns
-    if kind == "wrong_arg":
-        i = rng.choice(swappable)
-        c = cmds[i]
-        word, words = _swap_word(c.text)
-        fresh = [w for w in words if w != word and not re.search(rf"\b{w}\b", inst.instruction)]
-        other = rng.choice(fresh or [w for w in words if w != word])
-        turns[i] = Turn(_sub(c.text, word, other), _sub(c.output, word, other), c.exit_code)
-        return kind, False, turns
-    i = rng.randrange(len(cmds))
-    del turns[i]
-    return "missing_step", False, turns
-
-
-def _swap_word(text: str):
-    """The first word of ``text`` from a swappable list, and that list (or None)."""
-    for tok in re.findall(r"[a-z0-9]+", text):
-        for words in _SWAPPABLE:
-            if tok in words:
-                return tok, words
-    return None
+    wrong = _rename(path, rng.choice(free))
+    plan[i] = (c, [Turn(_sub(c.text, path, wrong), c.error.format(path=wrong) + "\n", c.error_code), *ts])
+    defects.append("retry")
 
 
 def _rename(path: str, stem: str) -> str:

@@ -1,25 +1,30 @@
 """The toy suites and the rule that keeps training and evaluation instances apart.
 
-Suites (default sizes are for the 2-core CPU recipe; ``n`` overrides them):
+Suites (default sizes; ``n`` overrides them; difficulties are cycled per family):
 
 ========  =====  ================================  ===========================================
 suite     n      families                          difficulties (cycled per family)
 ========  =====  ================================  ===========================================
-train     300    the 6 training families           easy x4, medium x4, hard, extreme per 10
-core      36     the 6 training families           easy, medium, easy, medium, hard, extreme
-hard      12     the 6 training families           hard, extreme
-long      8      the 6 training families           8-10 commands ("extreme", tag "long")
-unseen    12     csv, config (never trained on)    easy, medium, easy, medium, hard, extreme
+train     600    the 6 training families           easy, medium, hard x3 each + extreme per 10
+core      144    the 6 training families           easy, medium, hard
+hard      12     the 6 training families           extreme
+long      4      the 6 training families           8-10 commands ("extreme", tag "long")
+unseen    12     csv, config (never trained on)    easy, medium, hard
+dev       720    the 6 training families           as core, but train-side keys (for the rates)
 ========  =====  ================================  ===========================================
 
-Difficulty = number of canonical commands: easy 1, medium 2, hard 3-4, extreme 5-6, long 8-10.
+Difficulty = number of canonical commands: easy 1, medium 2, hard 3-4, extreme 5-6, long 8-10
+(an obstacle's fix is not counted). Core holds what a policy can move (1-4 commands, 48 tasks
+of each difficulty; one Mean@3 figure's standard error is about 2 points); the 5-6 command
+tasks are the ``hard`` suite. ``dev`` is not evaluated: toy_envs/obstacles.py's rates were
+fixed from the demonstrator's analytic success on it.
 
 Train / eval disjointness. Every instance of a training family is assigned to exactly one side
-by a hash of its *content key*: the family and the sorted multiset of its steps (step kind
-and drawn names), so neither step order, nor the strict flag, nor the difficulty label can
-move a task across. ``split_of(key) == "eval"`` for about a quarter of all keys; "train" and the
-pretraining corpus (toy_envs/corpus.py) draw only "train" keys, "core", "hard" and "long" draw
-only "eval" keys. The unseen families are never drawn by "train" or the corpus at all.
+by a hash of its *content key*: the family and the sorted multiset of its steps (step kind,
+drawn names and obstacle), so neither step order, nor the strict flag, nor the difficulty label
+can move a task across. ``split_of(key) == "eval"`` for about a quarter of all keys; "train",
+"dev" and the pretraining corpus (toy_envs/corpus.py) draw only "train" keys, "core", "hard"
+and "long" draw only "eval" keys. The unseen families are never drawn by "train" or the corpus.
 
 Departure from the paper: its suites are human-written benchmarks (Terminal-Bench 2.1, LHTB,
 SWR100); these are generated stand-ins with the same roles and the same task layout.
@@ -57,17 +62,19 @@ class SuiteSpec:
 SUITES: dict[str, SuiteSpec] = {
     s.name: s
     for s in (
-        SuiteSpec("train", 300, TRAIN_FAMILIES,
-                  ("easy", "medium", "easy", "medium", "hard", "easy", "medium", "easy", "medium", "extreme"),
-                  "train", description="training pool (RSR / RPR), mostly easy and medium"),
-        SuiteSpec("core", 36, TRAIN_FAMILIES, ("easy", "medium", "easy", "medium", "hard", "extreme"), "eval",
-                  description="held-out instances of the training families, all difficulties (like TB 2.1)"),
-        SuiteSpec("hard", 12, TRAIN_FAMILIES, ("hard", "extreme"), "eval",
-                  description="held-out hard and extreme instances"),
-        SuiteSpec("long", 8, TRAIN_FAMILIES, ("long",), "eval", strict_share=0.5,
+        SuiteSpec("train", 600, TRAIN_FAMILIES,
+                  ("easy", "medium", "hard", "easy", "medium", "hard", "easy", "medium", "hard", "extreme"),
+                  "train", description="training pool (RSR / RPR): 1-4 commands, a few of 5-6"),
+        SuiteSpec("core", 144, TRAIN_FAMILIES, ("easy", "medium", "hard"), "eval",
+                  description="held-out instances of the training families, 1-4 commands (like TB 2.1)"),
+        SuiteSpec("hard", 12, TRAIN_FAMILIES, ("extreme",), "eval",
+                  description="held-out instances of 5-6 commands"),
+        SuiteSpec("long", 4, TRAIN_FAMILIES, ("long",), "eval", strict_share=0.5,
                   description="long-horizon held-out instances with many checks (like LHTB)"),
-        SuiteSpec("unseen", 12, UNSEEN_FAMILIES, ("easy", "medium", "easy", "medium", "hard", "extreme"), "eval",
+        SuiteSpec("unseen", 12, UNSEEN_FAMILIES, ("easy", "medium", "hard"), "eval",
                   description="families never trained on (like SWR100)"),
+        SuiteSpec("dev", 720, TRAIN_FAMILIES, ("easy", "medium", "hard"), "train",
+                  description="core-like train-side instances: what the obstacle rates were fixed on"),
     )
 }
 
@@ -127,7 +134,24 @@ def suite_instances(name: str, n: int | None = None, seed: int = 0) -> list[Inst
     return out
 
 
-SAMPLES = {"core": 12, "hard": 2, "long": 1, "unseen": 4}
+def clean_easy(n: int, seed: int = 0) -> list[Instance]:
+    """``n`` held-out easy instances of the training families without an obstacle (families in
+    turn): what a Base past the copy transition must solve (minirsi/pretrain.py)."""
+    rng = random.Random(stable_hash(("clean_easy", seed)))
+    seen: set = set()
+    out: list[Instance] = []
+    while len(out) < n:
+        for _ in range(200):
+            inst = draw(TRAIN_FAMILIES[len(out) % len(TRAIN_FAMILIES)], "easy", "eval", rng, False, seen)
+            if all(s.obstacle is None for s in inst.steps):
+                out.append(inst)
+                break
+        else:
+            raise ValueError(f"clean_easy: could not draw {n} distinct instances; ask for fewer")
+    return out
+
+
+SAMPLES = {"core": 18, "hard": 2, "long": 1, "unseen": 4}
 """The committed samples (toy_envs/samples/<suite>/): the first n tasks of each suite, seed 0."""
 
 

@@ -27,7 +27,7 @@ from minirsi.sampler import HFSampler
 from minirsi.tasks import load_task
 
 torch.manual_seed(0)
-tokenizer = build_tokenizer([session_text(s) for s in corpus_sessions(200, seed=0, noise=0.3)], vocab_size=1024)
+tokenizer = build_tokenizer([session_text(s) for s in corpus_sessions(200, seed=0)], vocab_size=1024)
 model = build_tiny_actor(tokenizer, preset="tiny", seed=0).eval()
 print(f"tiny actor: {count_parameters(model) / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
 assert 0 < count_parameters(model) < 5e6 and len(tokenizer) <= 1024  # the BPE asked for at most 1,024 ids

@@ -29,7 +29,7 @@ from minirsi.sampler import HFSampler
 from minirsi.tasks import load_task
 
 torch.manual_seed(0)
-tokenizer = build_tokenizer([session_text(s) for s in corpus_sessions(200, seed=0, noise=0.3)], vocab_size=1024)
+tokenizer = build_tokenizer([session_text(s) for s in corpus_sessions(200, seed=0)], vocab_size=1024)
 actor = build_tiny_actor(tokenizer, preset="tiny", seed=0)
 critic = build_critic(actor)  # a separate copy of the backbone + a zero-initialised value head
 

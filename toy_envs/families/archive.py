@@ -10,6 +10,7 @@ import io
 import tarfile
 import zipfile
 
+from toy_envs import obstacles
 from toy_envs.base import Check, Cmd, Family, File, Step, StepKind
 from toy_envs.families.common import err, lit
 from toy_envs.words import FRUITS
@@ -48,6 +49,9 @@ def _word(rng) -> bytes:
 def _pack_dir(p, rng, state):
     d, a, b, c = p
     files = {f"{d}/{b}.txt": _word(rng), f"{d}/{c}.txt": _word(rng)}
+    env = {k: File(v) for k, v in files.items()}
+    # No read_only obstacle here: tar czf onto a read-only file races its gzip child, and prints
+    # "Cannot write: Broken pipe" only sometimes (an output no corpus can know in advance).
     return Step(
         f"Make {a}.tar.gz from the directory {d}.",
         [Cmd(f"tar czf {a}.tar.gz {d}", reads=(d,), writes=(f"{a}.tar.gz",), **err("tar_c"))],
@@ -58,12 +62,12 @@ def _pack_dir(p, rng, state):
                   f"    assert {lit(sorted(files))} == sorted(n for n in t.getnames() if n.endswith('.txt'))"),
             Check("dir_kept", f"assert os.path.isfile(path({lit(f'{d}/{b}.txt')}))"),
         ],
-        files={k: File(v) for k, v in files.items()},
+        files=env,
         creates=(f"{a}.tar.gz",),
     )
 
 
-def _pack_files(p, rng, state):
+def _pack_files(p, rng, state, obstacle=""):
     a, b, c = p
     data = {f"{a}.txt": _word(rng), f"{b}.txt": _word(rng)}
     return Step(
@@ -78,8 +82,9 @@ def _pack_files(p, rng, state):
                   f"with tarfile.open(path({lit(c + '.tar')})) as t:\n"
                   f"    assert t.extractfile({lit(a + '.txt')}).read() == {lit(data[a + '.txt'])}"),
         ],
-        files={k: File(v) for k, v in data.items()},
+        files={k: File(v) for k, v in data.items()} | ({f"{c}.tar": File(b"old\n", 0o444)} if obstacle else {}),
         creates=(f"{c}.tar",),
+        obstacle=obstacles.read_only(f"{c}.tar", 0, "tar") if obstacle else None,
     )
 
 
@@ -115,9 +120,34 @@ def _extract_into(p, rng, state):
     )
 
 
-def _gzip(p, rng, state):
+def _extract_to(p, rng, state, obstacle=""):
+    a, d, b = p
+    data = _word(rng)
+    files = {f"{a}.tar": File(make_tar({f"{b}.txt": data})), f"{d}/README": File(b"extract here\n")}
+    if obstacle == "missing_dir":  # d is not there
+        del files[f"{d}/README"]
+    return Step(
+        f"Extract {a}.tar into {d}.",
+        [Cmd(f"tar xf {a}.tar -C {d}", reads=(f"{a}.tar",), **err("tar_x"))],
+        [
+            Check("file_extracted", f"assert read({lit(f'{d}/{b}.txt')}) == {lit(data.decode())}"),
+            Check("not_in_top", f"assert not os.path.exists(path({lit(b + '.txt')}))"),
+            Check("archive_kept", f"assert os.path.isfile(path({lit(a + '.tar')}))"),
+        ],
+        files=files,
+        creates=(d,) if obstacle else (),
+        obstacle=obstacles.missing_dir(d, 0, "tar") if obstacle else None,
+    )
+
+
+def _gzip(p, rng, state, obstacle=""):
     (a,) = p
     data = _word(rng)
+    files = {f"{a}.txt": File(data)}
+    ob = None
+    if obstacle == "needs_force":  # an older a.txt.gz is there
+        files[f"{a}.txt.gz"] = File(b"old\n")
+        ob = obstacles.needs_force(f"gzip {a}.txt", 0, f"gzip: {a}.txt.gz already exists;\tnot overwritten", 2)
     return Step(
         f"Compress {a}.txt with gzip.",
         [Cmd(f"gzip {a}.txt", reads=(f"{a}.txt",), **err("gzip"))],
@@ -127,8 +157,9 @@ def _gzip(p, rng, state):
                   f"with gzip.open(path({lit(a + '.txt.gz')})) as f:\n    assert f.read() == {lit(data)}"),
             Check("original_gone", f"assert not os.path.exists(path({lit(a + '.txt')}))"),
         ],
-        files={f"{a}.txt": File(data)},
+        files=files,
         creates=(f"{a}.txt.gz",),
+        obstacle=ob,
     )
 
 
@@ -137,7 +168,7 @@ def _unzip(p, rng, state):
     data = _word(rng)
     return Step(
         f"Unzip {a}.zip.",
-        [Cmd(f"unzip {a}.zip", output=f"Archive:  {a}.zip\n extracting: {b}.txt               \n",
+        [Cmd(f"unzip {a}.zip", output=f"Archive:  {a}.zip\n extracting: {b + '.txt':<24}\n",
              reads=(f"{a}.zip",), **err("unzip"))],
         [
             Check("file_extracted", f"assert os.path.isfile(path({lit(b + '.txt')}))"),
@@ -155,7 +186,8 @@ def _zip(p, rng, state):
     return Step(
         f"Make {b}.zip from {a}.txt.",
         [Cmd(f"zip {b}.zip {a}.txt", output=f"  adding: {a}.txt (stored 0%)\n",
-             reads=(f"{a}.txt",), writes=(f"{b}.zip",), **err("zip"))],
+             reads=(f"{a}.txt",), writes=(f"{b}.zip",),
+             error=f"\tzip warning: name not matched: {{path}}\n\nzip error: Nothing to do! ({b}.zip)", error_code=12)],
         [
             Check("zip_exists", f"assert os.path.isfile(path({lit(b + '.zip')}))"),
             Check("zip_member", "import zipfile\n"
@@ -172,10 +204,11 @@ FAMILY = Family(
     "archive",
     (
         StepKind("pack_dir", 1, lambda r, n: (n.dir(), n.file(), n.file(), n.file()), _pack_dir),
-        StepKind("pack_files", 1, lambda r, n: (n.file(), n.file(), n.file()), _pack_files),
+        StepKind("pack_files", 1, lambda r, n: (n.file(), n.file(), n.file()), _pack_files, ("read_only",)),
         StepKind("extract", 1, lambda r, n: (n.file(), n.dir(), n.file()), _extract),
         StepKind("extract_into", 2, lambda r, n: (n.file(), n.dir(), n.file()), _extract_into),
-        StepKind("gzip", 1, lambda r, n: (n.file(),), _gzip),
+        StepKind("extract_to", 1, lambda r, n: (n.file(), n.dir(), n.file()), _extract_to, ("missing_dir",)),
+        StepKind("gzip", 1, lambda r, n: (n.file(),), _gzip, ("needs_force",)),
         StepKind("unzip", 1, lambda r, n: (n.file(), n.file()), _unzip),
         StepKind("zip", 1, lambda r, n: (n.file(), n.file()), _zip),
     ),

@@ -1,7 +1,9 @@
 """Helpers shared by the family modules: file contents, check snippets, shell error texts.
 
 Error texts are what GNU coreutils / bash / git print in the Debian sandbox when an input is
-missing (the corpus uses them for its failing-command noise; ``{path}`` is the wrong name).
+missing (the corpus uses them for its retry defect; ``{path}`` is the wrong name);
+``bash: line 8:`` is where the sandbox's driver evals a one-line command (minirsi/sandbox/shell.py).
+tests/test_toy_envs.py replays the corpus in a sandbox and compares every output.
 """
 
 from __future__ import annotations
@@ -19,16 +21,15 @@ ERR = {
     "sort": ("sort: cannot read: {path}: No such file or directory", 2),
     "head": ("head: cannot open '{path}' for reading: No such file or directory", 1),
     "tail": ("tail: cannot open '{path}' for reading: No such file or directory", 1),
-    "redirect": ("bash: {path}: No such file or directory", 1),
+    "redirect": ("bash: line 8: {path}: No such file or directory", 1),
     "sed": ("sed: can't read {path}: No such file or directory", 2),
     "chmod": ("chmod: cannot access '{path}': No such file or directory", 1),
     "tar_x": ("tar: {path}: Cannot open: No such file or directory\ntar: Error is not recoverable: exiting now", 2),
     "tar_c": ("tar: {path}: Cannot stat: No such file or directory\ntar: Exiting with failure status due to previous errors", 2),
     "bash": ("bash: {path}: No such file or directory", 127),
-    "exec": ("bash: ./{path}: No such file or directory", 127),
+    "exec": ("bash: line 8: ./{path}: No such file or directory", 127),
     "gzip": ("gzip: {path}: No such file or directory", 1),
     "unzip": ("unzip:  cannot find or open {path}, {path}.zip or {path}.ZIP.", 9),
-    "zip": ("\tzip warning: name not matched: {path}\n\nzip error: Nothing to do!", 12),
     "cut": ("cut: {path}: No such file or directory", 1),
     "awk": ("awk: fatal: cannot open file `{path}' for reading: No such file or directory", 2),
     "git_add": ("fatal: pathspec '{path}' did not match any files", 128),

@@ -5,6 +5,7 @@ Edit ``key=value`` files: set, add and remove keys, and read a value out.
 
 from __future__ import annotations
 
+from toy_envs import obstacles
 from toy_envs.base import Check, Cmd, Family, File, Step, StepKind
 from toy_envs.families.common import err, lit, text
 from toy_envs.words import FRUITS, KEYS
@@ -36,7 +37,7 @@ def _set(p, rng, state):
     )
 
 
-def _add(p, rng, state):
+def _add(p, rng, state, obstacle=""):
     a, k, v = p
     conf = _conf(rng, None, k)
     return Step(
@@ -47,7 +48,8 @@ def _add(p, rng, state):
             Check("others_kept", f"assert lines({lit(a + '.conf')})[:{len(conf)}] == {lit(conf)}"),
             Check("one_line_more", f"assert len(lines({lit(a + '.conf')})) == {len(conf) + 1}"),
         ],
-        files={f"{a}.conf": File(text(conf))},
+        files={f"{a}.conf": File(text(conf), 0o444 if obstacle else 0o644)},  # read_only: the conf is 0444
+        obstacle=obstacles.read_only(f"{a}.conf", 0) if obstacle else None,
     )
 
 
@@ -66,7 +68,7 @@ def _remove(p, rng, state):
     )
 
 
-def _get(p, rng, state):
+def _get(p, rng, state, obstacle=""):
     a, k, b = p
     conf = _conf(rng, k, None)
     value = next(line.split("=", 1)[1] for line in conf if line.startswith(k + "="))
@@ -78,8 +80,10 @@ def _get(p, rng, state):
             Check("out_value", f"assert read({lit(b + '.txt')}).strip() == {lit(value)}"),
             Check("conf_kept", f"assert lines({lit(a + '.conf')}) == {lit(conf)}"),
         ],
-        files={f"{a}.conf": File(text(conf))},
+        # read_only: an older b.txt is there, mode 0444
+        files={f"{a}.conf": File(text(conf))} | ({f"{b}.txt": File(b"old\n", 0o444)} if obstacle else {}),
         creates=(f"{b}.txt",),
+        obstacle=obstacles.read_only(f"{b}.txt", 0) if obstacle else None,
     )
 
 
@@ -87,9 +91,9 @@ FAMILY = Family(
     "config",
     (
         StepKind("set", 1, lambda r, n: (n.file(), n.key(), n.fruit()), _set),
-        StepKind("add", 1, lambda r, n: (n.file(), n.key(), n.fruit()), _add),
+        StepKind("add", 1, lambda r, n: (n.file(), n.key(), n.fruit()), _add, ("read_only",)),
         StepKind("remove", 1, lambda r, n: (n.file(), n.key()), _remove),
-        StepKind("get", 1, lambda r, n: (n.file(), n.key(), n.file()), _get),
+        StepKind("get", 1, lambda r, n: (n.file(), n.key(), n.file()), _get, ("read_only",)),
     ),
     unseen=True,
 )

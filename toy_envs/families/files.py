@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from toy_envs import obstacles
 from toy_envs.base import Check, Cmd, Family, File, Step, StepKind
 from toy_envs.families.common import err, lit, text
 from toy_envs.words import FRUITS
@@ -25,9 +26,12 @@ def _mkdir(p, rng, state):
     )
 
 
-def _copy(p, rng, state):
+def _copy(p, rng, state, obstacle=""):
     a, b = p
     c = _content(rng)
+    files = {f"{a}.txt": File(c)}
+    if obstacle == "read_only":  # an older b.txt is there, mode 0444
+        files[f"{b}.txt"] = File(_content(rng), 0o444)
     return Step(
         f"Copy {a}.txt to {b}.txt.",
         [Cmd(f"cp {a}.txt {b}.txt", reads=(f"{a}.txt",), writes=(f"{b}.txt",), **err("cp"))],
@@ -36,8 +40,9 @@ def _copy(p, rng, state):
             Check("copy_content", f"assert read({lit(b + '.txt')}) == {lit(c.decode())}"),
             Check("source_kept", f"assert read({lit(a + '.txt')}) == {lit(c.decode())}"),
         ],
-        files={f"{a}.txt": File(c)},
+        files=files,
         creates=(f"{b}.txt",),
+        obstacle=obstacles.read_only(f"{b}.txt", 0, "cp") if obstacle else None,
     )
 
 
@@ -70,8 +75,10 @@ def _delete(p, rng, state):
     )
 
 
-def _write(p, rng, state):
+def _write(p, rng, state, obstacle=""):
     a, w = p
+    # read_only: an older a.txt is there, mode 0444
+    old = {f"{a}.txt": File(_content(rng), 0o444)} if obstacle == "read_only" else {}
     return Step(
         f"Write {w} to {a}.txt.",
         [Cmd(f"echo {w} > {a}.txt", writes=(f"{a}.txt",))],
@@ -79,7 +86,9 @@ def _write(p, rng, state):
             Check("file_exists", f"assert os.path.isfile(path({lit(a + '.txt')}))"),
             Check("file_content", f"assert read({lit(a + '.txt')}).strip() == {lit(w)}"),
         ],
+        files=old,
         creates=(f"{a}.txt",),
+        obstacle=obstacles.read_only(f"{a}.txt", 0) if old else None,
     )
 
 
@@ -99,9 +108,12 @@ def _move_new_dir(p, rng, state):
     )
 
 
-def _copy_into(p, rng, state):
+def _copy_into(p, rng, state, obstacle=""):
     a, d, b = p
     c = _content(rng)
+    files = {f"{a}.txt": File(c), f"{d}/{b}.txt": File(_content(rng))}
+    if obstacle == "missing_dir":  # d is not there
+        del files[f"{d}/{b}.txt"]
     return Step(
         f"Copy {a}.txt into {d}.",
         [Cmd(f"cp {a}.txt {d}/", reads=(f"{a}.txt",), **err("cp"))],
@@ -110,7 +122,9 @@ def _copy_into(p, rng, state):
             Check("copy_content", f"assert read({lit(f'{d}/{a}.txt')}) == {lit(c.decode())}"),
             Check("source_kept", f"assert os.path.isfile(path({lit(a + '.txt')}))"),
         ],
-        files={f"{a}.txt": File(c), f"{d}/{b}.txt": File(_content(rng))},
+        files=files,
+        creates=(d,) if obstacle else (),
+        obstacle=obstacles.missing_dir(d, 0, "cp") if obstacle else None,
     )
 
 
@@ -131,12 +145,12 @@ FAMILY = Family(
     "files",
     (
         StepKind("mkdir", 1, lambda r, n: (n.dir(),), _mkdir),
-        StepKind("copy", 1, lambda r, n: (n.file(), n.file()), _copy),
+        StepKind("copy", 1, lambda r, n: (n.file(), n.file()), _copy, ("read_only",)),
         StepKind("rename", 1, lambda r, n: (n.file(), n.file()), _rename),
         StepKind("delete", 1, lambda r, n: (n.file(), n.file()), _delete),
-        StepKind("write", 1, lambda r, n: (n.file(), n.fruit()), _write),
+        StepKind("write", 1, lambda r, n: (n.file(), n.fruit()), _write, ("read_only",)),
         StepKind("move_new_dir", 2, lambda r, n: (n.file(), n.dir()), _move_new_dir),
-        StepKind("copy_into", 1, lambda r, n: (n.file(), n.dir(), n.file()), _copy_into),
+        StepKind("copy_into", 1, lambda r, n: (n.file(), n.dir(), n.file()), _copy_into, ("missing_dir",)),
         StepKind("nested_dir", 1, lambda r, n: (n.dir(), n.dir()), _nested),
     ),
 )

@@ -7,6 +7,7 @@ untracked files after it. Checks call ``git`` (a few ms each) rather than parse 
 
 from __future__ import annotations
 
+from toy_envs import obstacles
 from toy_envs.base import Check, Cmd, Family, File, Step, StepKind
 from toy_envs.families.common import err, lit
 from toy_envs.words import FRUITS
@@ -38,11 +39,23 @@ def _sha(rng) -> str:
     return "".join(rng.choice("0123456789abcdef") for _ in range(7))
 
 
-def _commit(p, rng, state):
+IGNORED = ("The following paths are ignored by one of your .gitignore files:\n{path}\n"
+           "hint: Use -f if you really want to add them.\nhint: Turn this message off by running\n"
+           'hint: "git config advice.addIgnoredFile false"')
+MODIFIED = ("error: the following file has local modifications:\n    {path}\n"
+            "(use --cached to keep the file, or -f to force removal)")
+
+
+def _commit(p, rng, state, obstacle=""):
     a, m = p
     w = rng.choice(FRUITS)
     out = f"[{state.branch} {_sha(rng)}] {m}\n 1 file changed, 1 insertion(+)\n create mode 100644 {a}.txt\n"
     state.head = m
+    setup = (f"echo {w} > {a}.txt",)
+    ob = None
+    if obstacle == "needs_force":  # a.txt is ignored (by .git/info/exclude: nothing in ls shows it)
+        setup += (f"echo {a}.txt >> .git/info/exclude",)
+        ob = obstacles.needs_force(f"git add {a}.txt", 0, IGNORED.format(path=f"{a}.txt"), 1)
     return Step(
         f"Commit {a}.txt with the message {m}.",
         [
@@ -54,13 +67,18 @@ def _commit(p, rng, state):
             Check("commit_made", f"assert {lit(m)} in git('log', '--all', '--format=%s').split()"),
             Check("commit_has_file", f"assert {lit(m)} in git('log', '--all', '--format=%s', '--', {lit(a + '.txt')}).split()"),
         ],
-        setup=(f"echo {w} > {a}.txt",),
+        setup=setup,
         creates=(f"{a}.txt",),
+        obstacle=ob,
     )
 
 
-def _branch(p, rng, state):
+def _branch(p, rng, state, obstacle=""):
     (b,) = p
+    setup, ob = (), None
+    if obstacle == "needs_force":  # a branch b is there already, on another commit
+        setup = (f"git checkout -q -b {b}", "git commit -q --allow-empty -m old", "git checkout -q main")  # set-up runs before any step
+        ob = obstacles.needs_force(f"git branch {b}", 0, f"fatal: a branch named '{b}' already exists", 128)
     return Step(
         f"Create the branch {b}.",
         [Cmd(f"git branch {b}")],
@@ -68,6 +86,8 @@ def _branch(p, rng, state):
             Check("branch_exists", f"assert git_ok('rev-parse', '--verify', '-q', {lit('refs/heads/' + b)})"),
             Check("branch_commit", f"assert git('log', '-1', '--format=%s', {lit(b)}).strip() == {lit(state.head)}"),
         ],
+        setup=setup,
+        obstacle=ob,
     )
 
 
@@ -103,10 +123,20 @@ def _switch_sample(rng, pool):
     return (pool.tag(),)
 
 
-def _remove(p, rng, state):
+def _ignore_sample(rng, pool):
+    if "__ignored__" in pool.used:  # one per task: a read-only .gitignore would block a second one
+        return None
+    pool.used.add("__ignored__")
+    return (pool.file(),)
+
+
+def _remove(p, rng, state, obstacle=""):
     a, m = p
     out = f"[{state.branch} {_sha(rng)}] {m}\n 1 file changed, 1 deletion(-)\n delete mode 100644 {a}.txt\n"
     state.head = m
+    ob = None
+    if obstacle == "needs_force":  # a.txt has changes that are not committed
+        ob = obstacles.needs_force(f"git rm {a}.txt", 0, MODIFIED.format(path=f"{a}.txt"), 1)
     return Step(
         f"Remove {a}.txt from git and commit with the message {m}.",
         [
@@ -119,11 +149,16 @@ def _remove(p, rng, state):
             Check("commit_made", f"assert {lit(m)} in git('log', '--all', '--format=%s').split()"),
         ],
         files={f"{a}.txt": File(f"{rng.choice(FRUITS)}\n".encode())},
+        setup=(f"echo {rng.choice(FRUITS)} >> {a}.txt",) if ob else (),
+        obstacle=ob,
     )
 
 
-def _ignore(p, rng, state):
+def _ignore(p, rng, state, obstacle=""):
     (a,) = p
+    setup = (f"echo log > {a}.log",)
+    if obstacle == "read_only":  # .gitignore is there, mode 0444
+        setup += ("echo '*.tmp' > .gitignore", "chmod 444 .gitignore")
     return Step(
         f"Add {a}.log to .gitignore.",
         [Cmd(f"echo {a}.log >> .gitignore", writes=(".gitignore",))],
@@ -131,20 +166,21 @@ def _ignore(p, rng, state):
             Check("listed", f"assert {lit(a + '.log')} in lines('.gitignore')"),
             Check("ignored", f"assert git_ok('check-ignore', '-q', {lit(a + '.log')})"),
         ],
-        setup=(f"echo log > {a}.log",),
+        setup=setup,
         creates=(".gitignore", f"{a}.log"),
+        obstacle=obstacles.read_only(".gitignore", 0) if obstacle else None,
     )
 
 
 FAMILY = Family(
     "git",
     (
-        StepKind("commit", 2, lambda r, n: (n.file(), n.tag()), _commit),
-        StepKind("branch", 1, lambda r, n: (n.tag(),), _branch),
+        StepKind("commit", 2, lambda r, n: (n.file(), n.tag()), _commit, ("needs_force",)),
+        StepKind("branch", 1, lambda r, n: (n.tag(),), _branch, ("needs_force",)),
         StepKind("tag", 1, lambda r, n: (n.tag(),), _tag),
         StepKind("switch", 1, _switch_sample, _switch),
-        StepKind("remove", 2, lambda r, n: (n.file(), n.tag()), _remove),
-        StepKind("ignore", 1, lambda r, n: (n.file(),), _ignore),
+        StepKind("remove", 2, lambda r, n: (n.file(), n.tag()), _remove, ("needs_force",)),
+        StepKind("ignore", 1, _ignore_sample, _ignore, ("read_only",)),
     ),
     setup=SETUP,
     helpers=HELPERS,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from toy_envs import obstacles
 from toy_envs.base import Check, Cmd, Family, File, Step, StepKind
 from toy_envs.families.common import err, lit
 
@@ -53,17 +54,21 @@ def _readonly(p, rng, state):
     )
 
 
-def _private(p, rng, state):
+def _private(p, rng, state, obstacle=""):
     d, a = p
+    kept = (Check("is_dir", f"assert os.path.isdir(path({lit(d)}))") if obstacle else
+            Check("file_kept", f"assert os.path.isfile(path({lit(f'{d}/{a}.txt')}))"))
     return Step(
         f"Make the directory {d} private.",
         [Cmd(f"chmod 700 {d}", reads=(d,), **err("chmod"))],
         [
             Check("dir_private", f"assert mode({lit(d)}) == 0o700"),
             Check("no_group_read", f"assert not mode({lit(d)}) & 0o044"),
-            Check("file_kept", f"assert os.path.isfile(path({lit(f'{d}/{a}.txt')}))"),
+            kept,
         ],
-        files={f"{d}/{a}.txt": File(f"{a}\n".encode())},
+        files={} if obstacle else {f"{d}/{a}.txt": File(f"{a}\n".encode())},  # missing_dir: d is not there
+        creates=(d,) if obstacle else (),
+        obstacle=obstacles.missing_dir(d, 0, "chmod") if obstacle else None,
     )
 
 
@@ -96,8 +101,9 @@ def _exec_all(p, rng, state):
     )
 
 
-def _exec_run(p, rng, state):
-    a, w, b = p
+def _exec_run(p, rng, state, obstacle=""):
+    a, w, b, d = p
+    out = f"{d}/{b}.txt" if obstacle else f"{b}.txt"  # missing_dir: the script writes into d
     return Step(
         f"Make {a}.sh executable and run it.",
         [
@@ -106,11 +112,12 @@ def _exec_run(p, rng, state):
         ],
         [
             Check("owner_exec", f"assert mode({lit(a + '.sh')}) & 0o100"),
-            Check("ran", f"assert os.path.isfile(path({lit(b + '.txt')}))"),
-            Check("ran_output", f"assert read({lit(b + '.txt')}).strip() == {lit(w)}"),
+            Check("ran", f"assert os.path.isfile(path({lit(out)}))"),
+            Check("ran_output", f"assert read({lit(out)}).strip() == {lit(w)}"),
         ],
-        files={f"{a}.sh": File(_script(w, f"{b}.txt"))},
-        creates=(f"{b}.txt",),
+        files={f"{a}.sh": File(_script(w, out))},
+        creates=(out.split("/")[0],),
+        obstacle=obstacles.missing_dir(d, 1, "script", script=f"{a}.sh", target=out) if obstacle else None,
     )
 
 
@@ -120,9 +127,9 @@ FAMILY = Family(
         StepKind("exec", 1, lambda r, n: (n.file(), n.fruit()), _exec),
         StepKind("setmode", 1, lambda r, n: (n.file(), r.choice(("600", "640", "700", "750", "755", "444", "400"))), _setmode),
         StepKind("readonly", 1, lambda r, n: (n.file(),), _readonly),
-        StepKind("private", 1, lambda r, n: (n.dir(), n.file()), _private),
+        StepKind("private", 1, lambda r, n: (n.dir(), n.file()), _private, ("missing_dir",)),
         StepKind("noexec", 1, lambda r, n: (n.file(), n.fruit()), _noexec),
         StepKind("exec_all", 1, lambda r, n: (n.dir(), n.file(), n.file()), _exec_all),
-        StepKind("exec_run", 2, lambda r, n: (n.file(), n.fruit(), n.file()), _exec_run),
+        StepKind("exec_run", 2, lambda r, n: (n.file(), n.fruit(), n.file(), n.dir()), _exec_run, ("missing_dir",)),
     ),
 )
