@@ -38,7 +38,8 @@ task. Preparing a task again finds its layer and runs nothing. A spec that
 cannot be found (or built) is left out with a warning naming it (``Layer.meta["missing"]``); an
 index that cannot be reached fails the preparation, so that no outage is cached. Where to
 download from: PyPI, or the host's ``PIP_INDEX_URL`` / ``PIP_EXTRA_INDEX_URL`` /
-``PIP_TRUSTED_HOST`` (a mirror), passed to the preparation's pip as its proxy settings are.
+``PIP_TRUSTED_HOST`` (a mirror), passed to the preparation's pip as the host's proxy settings
+are.
 
 Inside the jail (agent, oracle, setup script and verifier alike) the index is read-only at
 ``/opt/minirsi-index``, and ``pip``, ``pip3``, ``python -m pip`` and ``uv pip`` use it without
@@ -84,6 +85,8 @@ SITE_DIR = "/opt/minirsi-site"  # the verifier's clean copies, in the layer only
 _DOWNLOADS = "/tmp/.minirsi-wheels"  # pip's wheel directory in the preparation jail: the store, linked
 _REPORT = "/opt/minirsi-index-report.json"
 _DRIVER = Path(__file__).parent / "sandbox" / "index_build.py"
+# The host's mirror settings for the preparation's pip (not its retries: pip names a connection
+# error only when it retries, which is how index_build.py tells an outage from a missing package)
 _MIRROR_VARS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST")
 # install options that take a value (pip install, uv pip install, uv add): the value is not a spec
 _VALUE_OPTIONS = frozenset(
