@@ -34,6 +34,10 @@ upper directory (minirsi/sandbox/overlay_root.py).
   Python, in Docker) they are also on the verifier's PYTHONPATH (``Prepared.system_tools``).
   ``apt`` layer (only when test.sh installs packages other than curl), key = sha256(env key,
   the packages), stacked on the env layer; installed with their Recommends, as Docker would.
+- ``index`` layer (only when the task names packages in ``pip install`` lines or ``[environment]
+  pip_packages``), key = sha256(env key, the specs): the task's package index, wheels for the
+  env layer's Python, bound read-only at /opt/minirsi-index for the agent and the verifier
+  (minirsi/wheelhouse.py).
 
 A layer is built in ``<cache>/<key>.partial-<pid>`` and renamed to ``<cache>/<key>`` when
 complete (``meta.json`` inside), under an flock, so a killed preparation leaves nothing that

@@ -174,8 +174,7 @@ def _layer_notes(task: Task, backend: str) -> tuple[str, ...]:
 
     prepared = find_prepared(task, default_rootfs())
     index = prepared.index_layer if prepared is not None else None
-    return (*parse_dockerfile(task.dockerfile).notes, f"package index: {describe(index)}" if index is not None else
-            "package index: none (the task names no package; pip in the jail finds nothing)")
+    return (*parse_dockerfile(task.dockerfile).notes, *([f"package index: {describe(index)}"] if index is not None else []))
 
 
 def _cell(r: VerifierResult | None) -> str:

@@ -590,12 +590,14 @@ def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
 @pytest.mark.slow
 def test_python_m_pytest_after_pip_install_runs_the_prepared_tools(tmp_path, layers):
     # Docker: `pip install` puts pytest and its plugin in the image's Python, so `python -m pytest
-    # --ctrf` works; here the same two specs as the standard test.sh (no new preparation)
-    task, prepared, built = _prepared_variant(tmp_path, "python-m", {"test.sh": (
+    # --ctrf` works; here the same two specs as the standard test.sh (no new tools layer)
+    task, prepared, _ = _prepared_variant(tmp_path, "python-m", {"test.sh": (
         "#!/bin/bash\npip install pytest==8.4.1 pytest-json-ctrf==0.3.5 --break-system-packages\ncd /app\n"
         "python -m pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n"
         "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")})
-    assert not built and prepared.system_tools
+    # the tools layer is word-stats' (the standard pair); the package index is new (test.sh's pip line)
+    assert prepared.pip_layer == find_prepared(layers[0], default_rootfs()).pip_layer and prepared.system_tools
+    assert [w["name"] for w in prepared.index_layer.meta["wheels"]][-2:] == ["pytest", "pytest-json-ctrf"]
     row = check_task(task, "bwrap")
     assert row.ok, row.reasons()
     assert "pytest-8.4.1" in row.oracle.output_tail and row.empty_all_failing
@@ -849,7 +851,7 @@ def test_a_missing_package_prepares_with_a_warning_naming_it(tmp_path, layers, p
 @pytest.mark.slow
 def test_an_unreachable_index_fails_the_preparation_and_caches_nothing(tmp_path, layers, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # nothing listens on the discard port
-    task = _index_task(tmp_path, "probe-offline", "pip install minirsi-probe==1.0\n")
+    task = _index_task(tmp_path, "probe-offline", "pip install minirsi-unreachable==1.0\n")  # no index has it yet
     with pytest.raises(LayerError, match=r"could not reach the package index(.|\n)*Fix: check the network"):
         prepare(task, default_rootfs())
     assert find_prepared(task, default_rootfs()) is None

@@ -22,7 +22,9 @@ throwaway copy, as Harbor's), the test tools (read-only, /opt/minirsi-tools) and
 stand-ins of verifier_shims.py first on PATH (/opt/minirsi/bin), HOME=/root. What test.sh itself
 runs (bash, env, the Python interpreter, its standard library and system site-packages, the
 shared libraries, the loader's configuration: ``verifier_pins``) is taken from the pristine
-image, not from the episode, so an agent cannot forge the reward by replacing them; the agent's
+image, not from the episode, so an agent cannot forge the reward by replacing them (what the agent
+installed from the task's package index, read-only at /opt/minirsi-index for agent and verifier,
+is the verifier's as the index's clean copy: minirsi/wheelhouse.py); the agent's
 programs that a test executes still run with the verifier's rights (a property of the task). No
 agent process survives into the verifier (Harbor keeps them: a server the agent leaves running
 is gone here). The disk an episode may fill is bounded only per file (``file_size_mb``).

@@ -19,7 +19,9 @@ For the verifier, ``--pin PATH`` puts back the pristine image's PATH (from a rea
 the same lower layers, without the episode's changes), so that what test.sh runs itself (bash,
 the Python interpreter and its standard library, the shared libraries, the dynamic loader's
 configuration) is the image's, not a copy the agent replaced: a path absent from the image is
-hidden. Which paths: ``minirsi.sandbox.bwrap.VERIFIER_PINS``.
+hidden. Which paths: ``minirsi.sandbox.bwrap.VERIFIER_PINS``. ``--overlay PATH ROOT NAMES`` then
+makes a pinned PATH a read-only overlay of directories of ours over the pristine one: the
+package index's clean copies of what the agent installed from it (minirsi/wheelhouse.py).
 
 This file is executed by path as a script (``python3 -I -S overlay_root.py ... -- CMD``) inside
 ``unshare -m``, so it imports nothing of minirsi and uses only the standard library (ctypes for
