@@ -43,9 +43,9 @@ are.
 
 Inside the jail (agent, oracle, setup script and verifier alike) the index is read-only at
 ``/opt/minirsi-index``, and ``pip``, ``pip3``, ``python -m pip`` and ``uv pip`` use it without
-flags (``index_env``: PIP_NO_INDEX, PIP_FIND_LINKS, UV_NO_INDEX, UV_FIND_LINKS; a task on a
-layer without packages gets only the *_NO_INDEX pair, so pip fails at once instead of retrying
-the network). Nothing downloads while tasks run.
+flags (``index_env``: PIP_NO_INDEX, PIP_FIND_LINKS, UV_OFFLINE, UV_FIND_LINKS; a task on a
+layer without packages gets only PIP_NO_INDEX and UV_OFFLINE, so that pip and uv fail at once
+instead of retrying the network). Nothing downloads while tasks run.
 
 The verifier: it takes the Python library directories from the pristine image
 (minirsi/sandbox/bwrap.py ``verifier_pins``), so that an agent cannot plant a ``.pth`` that
@@ -257,7 +257,7 @@ def _link_all(src: Path, dst: Path) -> None:
 
 def index_env(index: Layer | None) -> dict[str, str]:
     """The variables that point pip and uv at the task's index and at nothing else."""
-    env = {"PIP_NO_INDEX": "1", "UV_NO_INDEX": "1"}
+    env = {"PIP_NO_INDEX": "1", "UV_OFFLINE": "1"}  # uv has no --no-index variable; offline, it reads find-links
     if index is not None:
         env.update({"PIP_FIND_LINKS": INDEX_DIR, "UV_FIND_LINKS": INDEX_DIR})
     return env

@@ -802,6 +802,21 @@ def test_a_package_only_the_prepared_index_holds_installs_offline(tmp_path, laye
 
 
 @pytest.mark.slow
+def test_uv_pip_installs_from_the_index_too(tmp_path, layers, probe_index):
+    # an image with uv (pip install uv): `uv pip install` finds the index without flags
+    task = _index_task(tmp_path, "probe-uv", "uv pip install --system minirsi-probe==1.0\n")
+    (task.environment_dir / "Dockerfile").write_text("FROM python:3.13-slim-bookworm\nWORKDIR /app\n"
+                                                     "RUN pip install uv==0.9.5\n")
+    task = load_task(task.path)
+    prepare(task, default_rootfs())
+    row = check_task(task, "bwrap")
+    assert row.ok and (row.oracle.passed, row.oracle.total) == (2, 2), row.reasons()
+    with open_sandbox(task) as sb:
+        r = sb.run("uv pip install --system requests 2>&1", timeout=60)
+    assert "network was disabled" in r.output and r.exit_code != 0, r.output  # uv's own error, at once
+
+
+@pytest.mark.slow
 def test_an_unlisted_package_gets_pips_own_error_and_the_index_is_read_only(tmp_path, layers, probe_index):
     task = _index_task(tmp_path, "probe-ro", "pip install minirsi-probe==1.0\n")
     index = prepare(task, default_rootfs())[0].index_layer

@@ -92,9 +92,9 @@ def test_the_key_follows_the_environment_and_the_groups():
 
 
 def test_pip_and_uv_see_only_the_index():
-    assert index_env(None) == {"PIP_NO_INDEX": "1", "UV_NO_INDEX": "1"}  # fails at once, no network retries
+    assert index_env(None) == {"PIP_NO_INDEX": "1", "UV_OFFLINE": "1"}  # fails at once, no network retries
     index = Layer("k", Path("/nonexistent"))
-    assert index_env(index) == {"PIP_NO_INDEX": "1", "UV_NO_INDEX": "1", "PIP_FIND_LINKS": INDEX_DIR,
+    assert index_env(index) == {"PIP_NO_INDEX": "1", "UV_OFFLINE": "1", "PIP_FIND_LINKS": INDEX_DIR,
                                 "UV_FIND_LINKS": INDEX_DIR}
 
 
