@@ -27,7 +27,8 @@ ignores the rest (sandboxes are always offline). minirsi adds:
   there instead: the base rootfs plus ``environment/`` files and ``setup`` stand for the image.
 - ``pip_packages`` (default none): requirement strings (``["requests==2.32.5", "scipy"]``) that
   ``minirsi task prepare`` adds to the task's package index, beside those its files name in
-  ``pip install`` lines (minirsi/wheelhouse.py); the local backend only.
+  ``pip install`` lines (minirsi/wheelhouse.py); read for tasks with a Dockerfile, on the local
+  backend.
 - ``[environment.env]`` (default none): variables set in the agent's shell and the setup
   script, NAME = "value" (the toy git tasks fix the commit clock with them, so that commit
   hashes, which the agent reads, repeat between runs).
