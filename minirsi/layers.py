@@ -452,7 +452,7 @@ def _host_ca_bundle() -> Path | None:
 def _jail_argv(lowers: list[Path], upper: Path, work: Path, merged: Path, context: Path | None, pipbin: Path,
                env: dict[str, str], script: str, extra_binds: list[str] = ()) -> list[str]:
     """Root in a private mount namespace: a writable overlay at `merged`, then bwrap into it
-    (`extra_binds`: more bwrap bind options, e.g. the package index's download store)."""
+    (`extra_binds`: more bwrap bind options, e.g. the package index's download directory)."""
     binds = ["--ro-bind", str(_host_pip()), f"{_PIP}/pip", "--ro-bind", str(pipbin), f"{_PIP}/bin", *extra_binds]
     if context is not None and context.is_dir():
         binds += ["--ro-bind", str(context), _CONTEXT]
@@ -600,8 +600,9 @@ def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, s
             shutil.rmtree(part / "work", ignore_errors=True)
             shutil.rmtree(part / "pipbin", ignore_errors=True)
             (part / "merged").rmdir()
-            meta = {**meta, **(finish(part) if finish is not None else {}), "key": key, "format": LAYER_FORMAT, "seconds": round(time.monotonic() - started, 2),
-                    "disk_bytes": _du(part / "upper"), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            meta = {**meta, **(finish(part) if finish is not None else {}), "key": key, "format": LAYER_FORMAT,
+                    "seconds": round(time.monotonic() - started, 2), "disk_bytes": _du(part / "upper"),
+                    "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (part / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             os.rename(part, cache / key)
             log(f"  layer {key}: {meta['disk_bytes'] / 2**20:.1f} MiB, built in {meta['seconds']:.1f} s")

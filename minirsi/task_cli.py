@@ -20,7 +20,7 @@
 
     minirsi task layers
         List the prepared layers (kind, key, disk, build time; a package index's wheels) and
-        their total disk, and the pip cache the package indexes share.
+        their total disk, and the download store the package indexes share.
 
     minirsi task replay DIR --commands FILE [--backend ...] [--timeout SEC]
         FILE is a JSON list of command strings. Runs them as the agent in a fresh sandbox, then
@@ -174,7 +174,8 @@ def _layer_notes(task: Task, backend: str) -> tuple[str, ...]:
 
     prepared = find_prepared(task, default_rootfs())
     index = prepared.index_layer if prepared is not None else None
-    return (*parse_dockerfile(task.dockerfile).notes, *([f"package index: {describe(index)}"] if index is not None else []))
+    return (*parse_dockerfile(task.dockerfile).notes,
+            *([f"package index: {describe(index)}"] if index is not None else []))
 
 
 def _cell(r: VerifierResult | None) -> str:
@@ -275,7 +276,7 @@ def _layers(args: argparse.Namespace) -> int:
     metas = list_layers()
     for m in metas:
         what = m.get("base") or " ".join(m.get("apt") or m.get("pip") or [])
-        if m["kind"] == "index":  # its wheels (the index the jail sees is their size; the rest is the verifier's copies)
+        if m["kind"] == "index":  # its wheels (what the jail sees; the rest of its disk: the verifier's copies)
             what = (f"{len(m['wheels'])} wheels, {m['index_bytes'] / 2**20:.1f} MiB: "
                     + " ".join(f"{w['name']}=={w['version']}" for w in m["wheels"])
                     + (f"; missing: {' '.join(m['missing'])}" if m["missing"] else ""))
