@@ -34,6 +34,10 @@ upper directory (minirsi/sandbox/overlay_root.py).
   Python, in Docker) they are also on the verifier's PYTHONPATH (``Prepared.system_tools``).
   ``apt`` layer (only when test.sh installs packages other than curl), key = sha256(env key,
   the packages), stacked on the env layer; installed with their Recommends, as Docker would.
+- ``index`` layer (only when the task names packages in ``pip install`` lines or ``[environment]
+  pip_packages``), key = sha256(env key, the specs): the task's package index, wheels for the
+  env layer's Python, bound read-only at /opt/minirsi-index for the agent and the verifier
+  (minirsi/wheelhouse.py).
 
 A layer is built in ``<cache>/<key>.partial-<pid>`` and renamed to ``<cache>/<key>`` when
 complete (``meta.json`` inside), under an flock, so a killed preparation leaves nothing that
@@ -158,6 +162,9 @@ class Prepared:
     system_tools: bool = False
     """The tools are on the verifier's PYTHONPATH (ToolSpec.system): `python -m pytest` after
     `pip install pytest ...` runs the prepared pytest, as the image's Python would in Docker."""
+    index_layer: Layer | None = None
+    """The task's package index (minirsi/wheelhouse.py), for the agent and the verifier; None
+    when the task names no package."""
 
     def lowers(self, verifier: bool = False) -> list[Path]:
         """The layers' upper dirs, top first (``base`` goes below them)."""
@@ -403,7 +410,13 @@ def find_prepared(task, rootfs: Path) -> Prepared | None:
     pip = _layer(pip_key(base, spec.pip)) if spec.pip else None
     if (spec.apt and apt is None) or (spec.pip and pip is None):
         return None
-    return Prepared(env_layer, base, apt, pip, dict(df.env), tuple(df.notes), spec.system)
+    from minirsi.wheelhouse import index_key, read_index_specs
+
+    groups = read_index_specs(task)
+    index = _layer(index_key(key, groups)) if groups else None
+    if groups and index is None:
+        return None
+    return Prepared(env_layer, base, apt, pip, dict(df.env), tuple(df.notes), spec.system, index)
 
 
 # --- building --------------------------------------------------------------------------------------
@@ -437,9 +450,10 @@ def _host_ca_bundle() -> Path | None:
 
 
 def _jail_argv(lowers: list[Path], upper: Path, work: Path, merged: Path, context: Path | None, pipbin: Path,
-               env: dict[str, str], script: str) -> list[str]:
-    """Root in a private mount namespace: a writable overlay at `merged`, then bwrap into it."""
-    binds = ["--ro-bind", str(_host_pip()), f"{_PIP}/pip", "--ro-bind", str(pipbin), f"{_PIP}/bin"]
+               env: dict[str, str], script: str, extra_binds: list[str] = ()) -> list[str]:
+    """Root in a private mount namespace: a writable overlay at `merged`, then bwrap into it
+    (`extra_binds`: more bwrap bind options, e.g. the package index's download directory)."""
+    binds = ["--ro-bind", str(_host_pip()), f"{_PIP}/pip", "--ro-bind", str(pipbin), f"{_PIP}/bin", *extra_binds]
     if context is not None and context.is_dir():
         binds += ["--ro-bind", str(context), _CONTEXT]
     if Path("/etc/resolv.conf").exists():
@@ -538,10 +552,13 @@ def _remove_stale_partials(cache: Path) -> None:
 
 
 def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, str], str]], context: Path | None,
-           timeout: float, meta: dict, log: Callable[[str], None]) -> Layer:
+           timeout: float, meta: dict, log: Callable[[str], None], binds: list[str] = (),
+           finish: Callable[[Path], dict] | None = None) -> Layer:
     """Build a layer: run each (label, script, env, cwd) as root over `lowers`; atomic rename.
 
-    `label` names the step in errors (``Dockerfile:12: RUN apt-get ...``)."""
+    `label` names the step in errors (``Dockerfile:12: RUN apt-get ...``); `binds`: more bwrap
+    bind options for every step; `finish(partial layer directory)`, called after the last step
+    and before the rename, returns more fields for meta.json."""
     if os.geteuid() != 0:
         raise LayerError("preparing a layer needs root (dpkg sets file owners; overlayfs upper directories need "
                          "it). Fix: run `minirsi task prepare` as root (sudo), or use --backend docker")
@@ -565,7 +582,7 @@ def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, s
             for label, script, env, cwd in steps:
                 log(f"  {label}")
                 argv = _jail_argv(lowers, part / "upper", part / "work", part / "merged", context, pipbin, env,
-                                  f"cd {shlex.quote(cwd)} || exit 1\n{script}")
+                                  f"cd {shlex.quote(cwd)} || exit 1\n{script}", binds)
                 left = deadline - time.monotonic()
                 try:
                     r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -583,8 +600,9 @@ def _build(key: str, lowers: list[Path], steps: list[tuple[str, str, dict[str, s
             shutil.rmtree(part / "work", ignore_errors=True)
             shutil.rmtree(part / "pipbin", ignore_errors=True)
             (part / "merged").rmdir()
-            meta = {**meta, "key": key, "format": LAYER_FORMAT, "seconds": round(time.monotonic() - started, 2),
-                    "disk_bytes": _du(part / "upper"), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            meta = {**meta, **(finish(part) if finish is not None else {}), "key": key, "format": LAYER_FORMAT,
+                    "seconds": round(time.monotonic() - started, 2), "disk_bytes": _du(part / "upper"),
+                    "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (part / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             os.rename(part, cache / key)
             log(f"  layer {key}: {meta['disk_bytes'] / 2**20:.1f} MiB, built in {meta['seconds']:.1f} s")
@@ -673,7 +691,10 @@ def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> 
             pip = _build(pkey, [rootfs], _pip_steps(task.test_script, spec.pip), None, timeout,
                          {"kind": "pip", "pip": spec.pip, "base_rootfs": str(rootfs)}, log)
             built = True
-    return Prepared(env_layer, rootfs, apt, pip, dict(df.env), tuple(df.notes), spec.system), built
+    from minirsi.wheelhouse import prepare_index
+
+    index, index_built = prepare_index(task, env_layer, rootfs, timeout, log)
+    return Prepared(env_layer, rootfs, apt, pip, dict(df.env), tuple(df.notes), spec.system, index), built or index_built
 
 
 def list_layers() -> list[dict]:

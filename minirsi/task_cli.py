@@ -19,7 +19,8 @@
         or a Dockerfile line the local backend cannot honour) is reported once, as INVALID.
 
     minirsi task layers
-        List the prepared layers (kind, key, disk, build time) and their total disk.
+        List the prepared layers (kind, key, disk, build time; a package index's wheels) and
+        their total disk, and the download store the package indexes share.
 
     minirsi task replay DIR --commands FILE [--backend ...] [--timeout SEC]
         FILE is a JSON list of command strings. Runs them as the agent in a fresh sandbox, then
@@ -163,11 +164,18 @@ def check_task(task: Task, backend: str) -> CheckRow:
 
 
 def _layer_notes(task: Task, backend: str) -> tuple[str, ...]:
+    """How the local layer differs from the image, and what the task's package index holds."""
     if backend != "bwrap" or not task.uses_layer:
         return ()
     from minirsi.dockerfile import parse_dockerfile
+    from minirsi.layers import find_prepared
+    from minirsi.sandbox.bwrap import default_rootfs
+    from minirsi.wheelhouse import describe
 
-    return tuple(parse_dockerfile(task.dockerfile).notes)
+    prepared = find_prepared(task, default_rootfs())
+    index = prepared.index_layer if prepared is not None else None
+    return (*parse_dockerfile(task.dockerfile).notes,
+            *([f"package index: {describe(index)}"] if index is not None else []))
 
 
 def _cell(r: VerifierResult | None) -> str:
@@ -194,6 +202,7 @@ def prepare_tasks(tasks: list[Task], log=print) -> tuple[list[Task], dict[str, E
     from minirsi.dockerfile import DockerfileError
     from minirsi.layers import LayerError, prepare
     from minirsi.sandbox.bwrap import default_rootfs
+    from minirsi.wheelhouse import missing_warning
 
     ready, failed, built = [], {}, 0
     for task in tasks:
@@ -206,6 +215,9 @@ def prepare_tasks(tasks: list[Task], log=print) -> tuple[list[Task], dict[str, E
             ready.append(task)
             for note in prepared.notes if did else ():  # what differs from the image, said once
                 log(f"  note: {note}")
+            warning = missing_warning(task, prepared.index_layer) if prepared.index_layer is not None else None
+            if warning:  # every time: the task stays without those packages until its files change
+                log(f"  {warning}")
         except (DockerfileError, LayerError, OSError) as e:
             failed[task.task_id] = e
     return ready, failed, built
@@ -259,12 +271,21 @@ def _unready(tasks: list[Task], prepare_missing: bool) -> tuple[dict[str, str], 
 
 def _layers(args: argparse.Namespace) -> int:
     from minirsi.layers import cache_dir, list_layers
+    from minirsi.wheelhouse import store_dir
 
     metas = list_layers()
     for m in metas:
         what = m.get("base") or " ".join(m.get("apt") or m.get("pip") or [])
+        if m["kind"] == "index":  # its wheels (what the jail sees; the rest of its disk: the verifier's copies)
+            what = (f"{len(m['wheels'])} wheels, {m['index_bytes'] / 2**20:.1f} MiB: "
+                    + " ".join(f"{w['name']}=={w['version']}" for w in m["wheels"])
+                    + (f"; missing: {' '.join(m['missing'])}" if m["missing"] else ""))
         print(f"{m['kind']:<11} {m['key']}  {m['disk_bytes'] / 2**20:8.1f} MiB  {m['seconds']:7.1f} s  {m['built']}  {what}")
-    print(f"{len(metas)} layer(s) in {cache_dir()}: {sum(m['disk_bytes'] for m in metas) / 2**20:.1f} MiB")
+    store = store_dir()
+    stored = list(store.glob("*.whl")) if store.is_dir() else []
+    print(f"{len(metas)} layer(s) in {cache_dir()}: {sum(m['disk_bytes'] for m in metas) / 2**20:.1f} MiB; "
+          f"download store {store}: {len(stored)} wheels, {sum(p.stat().st_size for p in stored) / 2**20:.1f} MiB "
+          "(shared with the indexes: hard links)")
     return 0
 
 

@@ -25,6 +25,10 @@ ignores the rest (sandboxes are always offline). minirsi adds:
   local bubblewrap backend a task with a Dockerfile runs on its prepared environment layer
   (``minirsi task prepare``; minirsi/layers.py). ``runs_on_base = true`` skips the Dockerfile
   there instead: the base rootfs plus ``environment/`` files and ``setup`` stand for the image.
+- ``pip_packages`` (default none): requirement strings (``["requests==2.32.5", "scipy"]``) that
+  ``minirsi task prepare`` adds to the task's package index, beside those its files name in
+  ``pip install`` lines (minirsi/wheelhouse.py); read for tasks with a Dockerfile, on the local
+  backend.
 - ``[environment.env]`` (default none): variables set in the agent's shell and the setup
   script, NAME = "value" (the toy git tasks fix the commit clock with them, so that commit
   hashes, which the agent reads, repeat between runs).
@@ -73,7 +77,7 @@ KNOWN_KEYS: dict[str, tuple[str, ...]] = {
     "solution": ("env",),
     "environment": ("build_timeout_sec", "docker_image", "cpus", "memory_mb", "memory", "storage_mb", "storage",
                     "gpus", "gpu_types", "allow_internet", "mcp_servers", "env", "workdir", "setup",
-                    "setup_timeout_sec", "runs_on_base"),
+                    "setup_timeout_sec", "runs_on_base", "pip_packages"),
 }
 _FREE_FORM = ("metadata", "task")
 
@@ -299,10 +303,28 @@ def _check_environment(path: Path, source: Path, env: dict[str, Any]) -> str:
             _positive(source, f"environment.{key}", env[key], 1.0)
     if "memory" in env and "memory_mb" not in env:
         _parse_size_mb(source, "environment.memory", env["memory"])
+    _check_pip_packages(source, env.get("pip_packages", []))
     if "runs_on_base" in env and not isinstance(env["runs_on_base"], bool):
         raise TaskError(source, "environment.runs_on_base", f"must be true or false, got {env['runs_on_base']!r}",
                         f"replace runs_on_base = {_toml_repr(env['runs_on_base'])} with true or false")
     return workdir
+
+
+def _check_pip_packages(source: Path, packages: Any) -> None:
+    fix = 'write requirement strings, e.g. pip_packages = ["numpy==2.3.0", "requests"]'
+    if not isinstance(packages, list):
+        raise TaskError(source, "environment.pip_packages", f"must be a list, got {_toml_repr(packages)}", fix)
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    for spec in packages:
+        try:
+            if not isinstance(spec, str):
+                raise InvalidRequirement("not a string")
+            if Requirement(spec).url:
+                raise InvalidRequirement("a URL: the index holds packages from an index")
+        except InvalidRequirement as e:
+            raise TaskError(source, "environment.pip_packages", f"{_toml_repr(spec)} is not a pip requirement ({str(e).splitlines()[0]})",
+                            fix) from e
 
 
 def _load_harbor(path: Path) -> Task:

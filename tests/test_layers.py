@@ -4,19 +4,24 @@ verifier's offline stand-ins (minirsi/sandbox/verifier_shims.py).
 The fast tests read Dockerfiles and test.sh files and call the stand-ins on the host. The slow
 ones prepare the Terminal-Bench 2 shaped fixture tests/fixtures/tasks/tb2/word-stats (two
 Debian packages and one pip package from the network, plus pytest and pytest-json-ctrf for
-the verifier) into a private layer cache, then play episodes on it; and tb2/trixie-release
+the verifier) into a private layer cache, then play episodes on it (among them, package
+indexes of wheels built here and served by a local HTTP index: no network); and tb2/trixie-release
 (FROM debian:trixie) on the Debian 13 base rootfs, which its preparation debootstraps the first
 time on a machine (~2 min, ~420 MB, kept in ~/.cache/minirsi/rootfs-trixie).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import shutil
 import tarfile
+import threading
 import time
+import zipfile
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -585,12 +590,14 @@ def test_a_pip_style_test_sh_runs_the_prepared_pytest(tmp_path, layers):
 @pytest.mark.slow
 def test_python_m_pytest_after_pip_install_runs_the_prepared_tools(tmp_path, layers):
     # Docker: `pip install` puts pytest and its plugin in the image's Python, so `python -m pytest
-    # --ctrf` works; here the same two specs as the standard test.sh (no new preparation)
-    task, prepared, built = _prepared_variant(tmp_path, "python-m", {"test.sh": (
+    # --ctrf` works; here the same two specs as the standard test.sh (no new tools layer)
+    task, prepared, _ = _prepared_variant(tmp_path, "python-m", {"test.sh": (
         "#!/bin/bash\npip install pytest==8.4.1 pytest-json-ctrf==0.3.5 --break-system-packages\ncd /app\n"
         "python -m pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA\n"
         "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")})
-    assert not built and prepared.system_tools
+    # the tools layer is word-stats' (the standard pair); the package index is new (test.sh's pip line)
+    assert prepared.pip_layer == find_prepared(layers[0], default_rootfs()).pip_layer and prepared.system_tools
+    assert [w["name"] for w in prepared.index_layer.meta["wheels"]][-2:] == ["pytest", "pytest-json-ctrf"]
     row = check_task(task, "bwrap")
     assert row.ok, row.reasons()
     assert "pytest-8.4.1" in row.oracle.output_tail and row.empty_all_failing
@@ -708,3 +715,159 @@ def test_a_trixie_image_runs_on_the_debian_13_base(tmp_path, monkeypatch):
     assert row.ok, row.reasons()
     assert (row.oracle.passed, row.oracle.total) == (2, 2) and (row.empty.passed, row.empty.total) == (0, 2)
     assert row.empty_all_failing and not row.notes
+
+
+# --- the package index (minirsi/wheelhouse.py), from a local index of wheels built here ------------------
+def _wheel(project_dir: Path, name: str, version: str, code: str, requires: tuple[str, ...] = ()) -> Path:
+    """A pure-Python wheel (a zip with METADATA, WHEEL and RECORD), written into `project_dir`:
+    a PEP 503 project page once served as a directory listing."""
+    dist = name.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    files = {f"{dist}/__init__.py": code.encode(),
+             f"{info}/METADATA": (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                  + "".join(f"Requires-Dist: {r}\n" for r in requires)).encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: minirsi-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    digest = {p: base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode() for p, data in files.items()}
+    files[f"{info}/RECORD"] = ("".join(f"{p},sha256={digest[p]},{len(data)}\n" for p, data in files.items())
+                               + f"{info}/RECORD,,\n").encode()
+    project_dir.mkdir(parents=True, exist_ok=True)
+    path = project_dir / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for p, data in files.items():
+            z.writestr(p, data)
+    return path
+
+
+@pytest.fixture
+def probe_index(tmp_path, monkeypatch):
+    """A local package index (http.server over a directory) holding minirsi-probe 1.0, which
+    requires minirsi-probe-dep; PIP_INDEX_URL points the preparation at it. Yields the list of
+    request paths it serves."""
+    root = tmp_path / "pypi"
+    _wheel(root / "simple" / "minirsi-probe", "minirsi-probe", "1.0", "VALUE = 42\n", ("minirsi-probe-dep",))
+    _wheel(root / "simple" / "minirsi-probe-dep", "minirsi-probe-dep", "1.0", "WORD = 'dep'\n")
+    served: list[str] = []
+
+    class Handler(SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, format, *args):
+            served.append(self.path)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_port}/simple/")
+    yield served
+    server.shutdown()
+
+
+PROBE_TESTS = ("def test_the_probe_is_installed():\n    import minirsi_probe\n    assert minirsi_probe.VALUE == 42\n\n\n"
+               "def test_its_dependency_came_with_it():\n    from minirsi_probe_dep import WORD\n    assert WORD == 'dep'\n")
+
+
+def _index_task(tmp_path: Path, name: str, solve: str):
+    """word-stats' environment (its layer is the module's) with this solve.sh and tests that import the probe."""
+    d = _variant(tmp_path, name, (WORD_STATS / "environment" / "Dockerfile").read_text())
+    (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\nset -e\n{solve}")
+    (d / "tests" / "test_outputs.py").write_text(PROBE_TESTS)
+    return load_task(d)
+
+
+@pytest.mark.slow
+def test_a_package_only_the_prepared_index_holds_installs_offline(tmp_path, layers, probe_index, capsys):
+    task = _index_task(tmp_path, "probe", "pip install minirsi-probe==1.0\n")
+    prepared, built = prepare(task, default_rootfs())
+    meta = prepared.index_layer.meta
+    assert built and [(w["name"], w["version"]) for w in meta["wheels"]] == [("minirsi-probe", "1.0"),
+                                                                           ("minirsi-probe-dep", "1.0")]
+    assert not meta["missing"] and sorted(p for p in probe_index if p.endswith(".whl")) == [
+        "/simple/minirsi-probe-dep/minirsi_probe_dep-1.0-py3-none-any.whl",
+        "/simple/minirsi-probe/minirsi_probe-1.0-py3-none-any.whl"]
+    probe_index.clear()
+    # the oracle installs it offline and the verifier imports it; the empty run fails both checks
+    assert cli(["check", "-v", "--json", str(task.path)]) == 0
+    row = json.loads(capsys.readouterr().out)["tasks"][0]
+    assert (row["oracle"]["passed"], row["oracle"]["total"], row["empty"]["passed"]) == (2, 2, 0)
+    assert "Processing /opt/minirsi-index/minirsi_probe-1.0-py3-none-any.whl" in row["oracle_command"]["output"]
+    assert any(n.startswith("package index: 2 wheel(s)") and "minirsi-probe 1.0" in n for n in row["notes"])
+    assert probe_index == []  # nothing was fetched while the task ran
+    # preparing again runs nothing; another task's index with the same package downloads no wheel
+    assert prepare(task, default_rootfs())[1] is False and probe_index == []
+    other = _index_task(tmp_path, "probe-unpinned", "pip install minirsi-probe\n")
+    other_prepared, built = prepare(other, default_rootfs())
+    assert built and other_prepared.index_layer.key != prepared.index_layer.key
+    assert "/simple/minirsi-probe/" in probe_index and not any(p.endswith(".whl") for p in probe_index)
+    assert "File was already downloaded" in (other_prepared.index_layer.path / "build.log").read_text()
+
+
+@pytest.mark.slow
+def test_uv_pip_installs_from_the_index_too(tmp_path, layers, probe_index):
+    # an image with uv (pip install uv): `uv pip install` finds the index without flags
+    task = _index_task(tmp_path, "probe-uv", "uv pip install --system minirsi-probe==1.0\n")
+    (task.environment_dir / "Dockerfile").write_text("FROM python:3.13-slim-bookworm\nWORKDIR /app\n"
+                                                     "RUN pip install uv==0.9.5\n")
+    task = load_task(task.path)
+    prepare(task, default_rootfs())
+    row = check_task(task, "bwrap")
+    assert row.ok and (row.oracle.passed, row.oracle.total) == (2, 2), row.reasons()
+    with open_sandbox(task) as sb:
+        r = sb.run("uv pip install --system requests 2>&1", timeout=60)
+    assert "network was disabled" in r.output and r.exit_code != 0, r.output  # uv's own error, at once
+
+
+@pytest.mark.slow
+def test_an_unlisted_package_gets_pips_own_error_and_the_index_is_read_only(tmp_path, layers, probe_index):
+    task = _index_task(tmp_path, "probe-ro", "pip install minirsi-probe==1.0\n")
+    index = prepare(task, default_rootfs())[0].index_layer
+    before = _tree_digest(index.path)
+    attack = ("touch /opt/minirsi-index/x; rm /opt/minirsi-index/minirsi_probe-1.0-py3-none-any.whl;"
+              " mount -o remount,rw /opt/minirsi-index; ls /opt/minirsi-index")
+    with open_sandbox(task) as sb:
+        r = sb.run(f"pip install requests 2>&1 | tail -2; {attack} 2>&1", timeout=120)
+        (task.tests_dir / "test.sh").write_text(f"#!/bin/bash\n{attack} 2>&1\necho 1 > /logs/verifier/reward.txt\n")
+        v = verify(sb, task)
+    assert "ERROR: No matching distribution found for requests" in r.output, r.output  # pip's own, at once
+    for out in (r.output, v.output_tail):
+        assert out.count("Read-only file system") == 2 and "minirsi_probe-1.0-py3-none-any.whl" in out, out
+        assert "\nx\n" not in out  # nothing was written, nothing removed, no remount
+    assert _tree_digest(index.path) == before
+
+
+@pytest.mark.slow
+def test_the_verifier_sees_the_indexs_copy_not_the_agents_changes_to_it(tmp_path, layers, probe_index):
+    # the agent installs the probe, then rewrites it and plants a .pth that would end every
+    # Python at start with status 0: the verifier imports the index's clean copy, runs no .pth
+    task = _index_task(tmp_path, "probe-forge", "pip install minirsi-probe==1.0\n")
+    prepare(task, default_rootfs())
+    site = "/usr/local/lib/python3.11/dist-packages"
+    tamper = (f"pip install -q minirsi-probe==1.0 && echo 'VALUE = 0' > {site}/minirsi_probe/__init__.py &&"
+              f" echo 'import os; os._exit(0)' > {site}/zz_forge.pth && mkdir {site}/forged-1.0.dist-info && echo done")
+    with open_sandbox(task) as sb:
+        assert sb.run(tamper, timeout=120).output.endswith("done\n")
+        assert sb.run("python3 -c 'import minirsi_probe; print(minirsi_probe.VALUE)'; echo $?", timeout=30).output == "0\n"
+        r = verify(sb, task)
+    assert r.success and (r.passed, r.total) == (2, 2), r.output_tail
+
+
+@pytest.mark.slow
+def test_a_missing_package_prepares_with_a_warning_naming_it(tmp_path, layers, probe_index, capsys):
+    task = _index_task(tmp_path, "probe-missing", "pip install minirsi-probe==1.0 minirsi-absent==2.0\n")
+    assert cli(["prepare", str(task.path)]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: probe-missing: not in its package index (pip in the jail will say 'No matching distribution'):"
+            " minirsi-absent==2.0 (ERROR:") in out and "No matching distribution found for minirsi-absent==2.0" in out
+    index = find_prepared(task, default_rootfs()).index_layer
+    assert [w["name"] for w in index.meta["wheels"]] == ["minirsi-probe", "minirsi-probe-dep"]  # the rest went in
+    assert cli(["layers"]) == 0 and f"index       {index.key}" in capsys.readouterr().out
+    assert cli(["prepare", str(task.path)]) == 0 and "minirsi-absent==2.0" in capsys.readouterr().out  # said again
+
+
+@pytest.mark.slow
+def test_an_unreachable_index_fails_the_preparation_and_caches_nothing(tmp_path, layers, monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # nothing listens on the discard port
+    task = _index_task(tmp_path, "probe-offline", "pip install minirsi-unreachable==1.0\n")  # no index has it yet
+    with pytest.raises(LayerError, match=r"could not reach the package index(.|\n)*Fix: check the network"):
+        prepare(task, default_rootfs())
+    assert find_prepared(task, default_rootfs()) is None
+    assert not any(".partial" in p.name for p in layers[1].iterdir())

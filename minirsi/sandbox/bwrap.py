@@ -22,7 +22,9 @@ throwaway copy, as Harbor's), the test tools (read-only, /opt/minirsi-tools) and
 stand-ins of verifier_shims.py first on PATH (/opt/minirsi/bin), HOME=/root. What test.sh itself
 runs (bash, env, the Python interpreter, its standard library and system site-packages, the
 shared libraries, the loader's configuration: ``verifier_pins``) is taken from the pristine
-image, not from the episode, so an agent cannot forge the reward by replacing them; the agent's
+image, not from the episode, so an agent cannot forge the reward by replacing them (what the agent
+installed from the task's package index, read-only at /opt/minirsi-index for agent and verifier,
+is the verifier's as the index's clean copy: minirsi/wheelhouse.py); the agent's
 programs that a test executes still run with the verifier's rights (a property of the task). No
 agent process survives into the verifier (Harbor keeps them: a server the agent leaves running
 is gone here). The disk an episode may fill is bounded only per file (``file_size_mb``).
@@ -456,7 +458,15 @@ class BwrapSandbox(ShellSandbox):
         (self._dir / "group").write_text(group)
 
     def _task_env(self) -> dict[str, str]:
-        return {**(self.prepared.env if self.prepared is not None else {}), **super()._task_env()}
+        return {**self._layer_env(), **super()._task_env()}
+
+    def _layer_env(self) -> dict[str, str]:
+        """On a layer: the Dockerfile's ENV, and pip and uv pointed at the task's index alone."""
+        if self.prepared is None:
+            return {}
+        from minirsi.wheelhouse import index_env
+
+        return {**index_env(self.prepared.index_layer), **self.prepared.env}
 
     def _chown_tree(self, root: Path) -> None:
         os.chown(root, self.host_uid, self.host_uid, follow_symlinks=False)
@@ -535,6 +545,7 @@ class BwrapSandbox(ShellSandbox):
         for the agent, the setup script and the verifier (as one container is in Harbor); Docker's
         default capabilities, inside the user namespace only."""
         from minirsi.layers import DOCKER_CAPS, TOOLS_DIR
+        from minirsi.wheelhouse import INDEX_DIR, index_dir, verifier_overlays
 
         workdir, mnt = self.task.workdir, str(self._base / ".rootfs-mnt")
         stack = [*self.prepared.lowers(verifier), self.prepared.base]  # top layer first, the base last
@@ -551,11 +562,19 @@ class BwrapSandbox(ShellSandbox):
                  "--workdir", workdir]
         if self._cgroup is not None:
             mount += ["--cgroup", str(self._cgroup.path)]
+        index = self.prepared.index_layer
+        if index is not None:  # the task's package index, read-only, for the agent and the verifier
+            mount += ["--bind", str(index_dir(index)), INDEX_DIR]
         if verifier:  # the mount points of run_verifier's binds
             mount += ["--dir", "/tests", "--dir", "/logs/verifier", "--dir", SHIM_BIN]
             if self.prepared.tools_dir is not None:
                 mount += ["--bind", str(self.prepared.tools_dir), TOOLS_DIR]
-            mount += [a for pin in verifier_pins(stack) for a in ("--pin", pin)]
+            pins = verifier_pins(stack)
+            mount += [a for pin in pins for a in ("--pin", pin)]
+            if index is not None:  # what the agent installed from the index, as clean copies
+                for path, root, names in verifier_overlays(index, self._dir / "upper" / "u", pins):
+                    if any((layer / path).is_dir() for layer in stack):  # the mount point, in the pinned image
+                        mount += ["--overlay", f"/{path}", str(root), ":".join(names)]
         return ["unshare", "-m", "--propagation", "private", *mount, "--", *self._drop(limits), *args]
 
     def _nproc(self) -> int:
@@ -763,7 +782,7 @@ class BwrapSandbox(ShellSandbox):
                 # it), then tools test.sh `pip install`ed into the image's Python
                 pythonpath = [env.get("PYTHONPATH"), self.prepared.env.get("PYTHONPATH"),
                               TOOLS_DIR if self.prepared.system_tools else None]
-                env = {**self.prepared.env, **env, "HOME": "/root", "USER": "root", "LOGNAME": "root",
+                env = {**self._layer_env(), **env, "HOME": "/root", "USER": "root", "LOGNAME": "root",
                        "PATH": f"{SHIM_BIN}:{self.prepared.env.get('PATH', PATH)}",
                        "PYTHONPATH": ":".join(p for p in pythonpath if p is not None)}
             out, code, timed_out = self._oneshot(binds, env, ["/bin/bash", f"/tests/{script}"], timeout,

@@ -19,7 +19,9 @@ For the verifier, ``--pin PATH`` puts back the pristine image's PATH (from a rea
 the same lower layers, without the episode's changes), so that what test.sh runs itself (bash,
 the Python interpreter and its standard library, the shared libraries, the dynamic loader's
 configuration) is the image's, not a copy the agent replaced: a path absent from the image is
-hidden. Which paths: ``minirsi.sandbox.bwrap.VERIFIER_PINS``.
+hidden. Which paths: ``minirsi.sandbox.bwrap.VERIFIER_PINS``. ``--overlay PATH ROOT NAMES`` then
+makes a pinned PATH a read-only overlay of directories of ours over the pristine one: the
+package index's clean copies of what the agent installed from it (minirsi/wheelhouse.py).
 
 This file is executed by path as a script (``python3 -I -S overlay_root.py ... -- CMD``) inside
 ``unshare -m``, so it imports nothing of minirsi and uses only the standard library (ctypes for
@@ -178,8 +180,9 @@ def _real_dir(path: str, uid: int) -> None:
 
 
 def _inside(uid: int, workdir: str, dirs: list[str], binds: list[tuple[int, str]], pristine: int | None,
-            pins: list[str]) -> None:
-    """Chrooted in the episode's root (a child process): the directories, the binds, the pins."""
+            pins: list[str], overlays: list[tuple[int, str]]) -> None:
+    """Chrooted in the episode's root (a child process): the directories, the binds, the pins,
+    then the overlays (over pinned directories)."""
     for path in [workdir, *dirs, *(path for _, path in binds)]:
         _real_dir(path, uid)
     for fd, path in binds:
@@ -196,6 +199,28 @@ def _inside(uid: int, workdir: str, dirs: list[str], binds: list[tuple[int, str]
         _pin(rel.lstrip("/"))
     _check(_libc.umount2(_PRISTINE.encode(), _MNT_DETACH), "detach the pristine image")
     os.rmdir(_PRISTINE)
+    for fd, path in overlays:  # mount points inside pinned (read-only) directories: they exist
+        _attach(fd, path)
+
+
+def _site_overlay(i: int, stage: str, pristine_dir: str, path: str, root: str, names: str) -> int:
+    """A read-only overlay of the directories ROOT/<name> (first on top) over the pristine
+    image's PATH: a detached mount for move_mount. The lower directories are named relative to
+    ROOT (overlayfs resolves them from the working directory), which keeps the mount options
+    short whatever the number of wheels."""
+    below = os.path.join(pristine_dir, path.lstrip("/"))
+    empty = os.path.join(stage, "empty")
+    os.makedirs(empty, exist_ok=True)
+    target = os.path.join(stage, f"overlay-{i}")
+    os.makedirs(target, exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        lowers = names.split(":") + [below if os.path.isdir(below) else empty]
+        _mount("overlay", target, "overlay", _MS_RDONLY, "lowerdir=" + ":".join(lowers), f"overlay at {path}")
+    finally:
+        os.chdir(cwd)
+    return _detached(target, readonly=True)
 
 
 _USAGE = """overlay_root.py --uid H --stage DIR --upper DIR --target DIR [--lower DIR]... [--workdir PATH]
@@ -209,7 +234,9 @@ _USAGE = """overlay_root.py --uid H --stage DIR --upper DIR --target DIR [--lowe
   --cgroup   a cgroup directory this process (and so the jail) joins first
   --dir      a mount point the jail needs: made a real directory
   --bind     bind SRC read-only at PATH inside the root
-  --pin      a path the verifier takes from the pristine image"""
+  --pin      a path the verifier takes from the pristine image
+  --overlay  PATH ROOT NAMES: PATH (a pinned directory) becomes a read-only overlay of the
+             directories ROOT/<name> (NAMES colon-separated, first on top) over the pristine one"""
 
 
 class _Args:
@@ -218,7 +245,7 @@ class _Args:
     workdir = "/"
 
     def __init__(self) -> None:
-        self.lower, self.dir, self.bind, self.pin = [], [], [], []
+        self.lower, self.dir, self.bind, self.pin, self.overlay = [], [], [], [], []
 
 
 def _parse(argv: list[str]) -> tuple[_Args, list[str]]:
@@ -228,13 +255,13 @@ def _parse(argv: list[str]) -> tuple[_Args, list[str]]:
     split = argv.index("--")
     args, opts, i = _Args(), argv[:split], 0
     while i < len(opts):
-        name, n = opts[i], 3 if opts[i] == "--bind" else 2
+        name, n = opts[i], {"--bind": 3, "--overlay": 4}.get(opts[i], 2)
         values = opts[i + 1:i + n]
         if not name.startswith("--") or len(values) != n - 1 or not hasattr(args, name[2:]):
             raise SystemExit(f"overlay_root.py: bad option {name!r}\n{_USAGE}")
         key = name[2:]
         if isinstance(getattr(args, key), list):
-            getattr(args, key).append(tuple(values) if key == "bind" else values[0])
+            getattr(args, key).append(tuple(values) if key in ("bind", "overlay") else values[0])
         else:
             setattr(args, key, int(values[0]) if key == "uid" else values[0])
         i += n
@@ -264,11 +291,12 @@ def main(argv: list[str]) -> None:
     _mount("overlay", args.target, "overlay", 0, f"lowerdir={':'.join(staged)},upperdir={upper},workdir={work}",
            f"overlay at {args.target}")
     binds = [(_detached(src, readonly=True), path) for src, path in args.bind]
-    pristine = None
+    pristine, overlays = None, []
     if args.pin:
         d = os.path.join(args.stage, "pristine")
         os.makedirs(d, exist_ok=True)
         _mount("overlay", d, "overlay", _MS_RDONLY, f"lowerdir={':'.join(staged)}", "the pristine image")
+        overlays = [(_site_overlay(i, args.stage, d, *spec), spec[0]) for i, spec in enumerate(args.overlay)]
         pristine = _detached(d, readonly=True)
     # Everything inside the root may be the agent's (a symlink to a host path, say): work on it
     # chrooted, in a child, so that no path resolves outside it.
@@ -278,7 +306,7 @@ def main(argv: list[str]) -> None:
         try:
             os.chroot(args.target)
             os.chdir("/")
-            _inside(args.uid, args.workdir, args.dir, binds, pristine, args.pin)
+            _inside(args.uid, args.workdir, args.dir, binds, pristine, args.pin, overlays)
         except BaseException as e:  # any failure must fail the launch, never leave a half-pinned root
             print(f"minirsi overlay_root: {type(e).__name__}: {e}", file=sys.stderr)
             code = 125
