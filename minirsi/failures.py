@@ -59,11 +59,19 @@ def shape(command: str) -> str:
     return re.sub(r"[a-z]+", lambda m: "N" if m.group(0) in names else m.group(0), command.strip())
 
 
+def _command(block: str) -> str:
+    """A block without its comment lines (the toy demonstrator opens each with one)."""
+    return "\n".join(line for line in block.strip().splitlines() if not line.lstrip().startswith("#")).strip()
+
+
+_LINE = re.compile(r"^bash: line \d+: ", re.MULTILINE)
+
+
 def classify(ep: Episode, meta: Mapping[str, Any] | None) -> str | None:
     """The category of a failed episode (None for a success); ``meta``: its task's toy.json."""
     if ep.success:
         return None
-    ran = [(c.strip(), out, ok) for turn in ep.transcript
+    ran = [(_command(c), _LINE.sub("bash: ", out, count=0), ok) for turn in ep.transcript
            for c, out, ok in read_blocks(turn.get("commands") or [], turn.get("observation"))]
     if not ran or 2 * ep.parse_errors >= max(ep.turns, 1):
         return "format"
@@ -79,7 +87,7 @@ def classify(ep: Episode, meta: Mapping[str, Any] | None) -> str | None:
         if c not in done and any(shape(r) == shape(c) and r != c for r, _, _ in ran):
             return "wrong_name"
     for o in obstacles:
-        first = o["error"].splitlines()[0]
+        first = _LINE.sub("bash: ", o["error"].splitlines()[0])  # where bash says "line N" depends on the block
         met = [i for i, (_, out, _) in enumerate(ran) if first in out]
         cure = list(o["fix"]) or [o["redo"]]
         if met and not any(r in cure and ok for r, _, ok in ran[met[0] + 1:]):

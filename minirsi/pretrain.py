@@ -283,6 +283,16 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pa
     return out
 
 
+def held_out_name_accuracy(model: torch.nn.Module, tokenizer: Any, cfg: PretrainConfig) -> dict:
+    """``evaluate`` on the held-out sessions ``cfg`` names (``val_sessions``, seed + 1,000,003),
+    rendered with ``tokenizer``: recomputes a saved Base's recorded name accuracy."""
+    rows = [actions.render_session(tokenizer, s)[:2] for s in corpus_sessions(cfg.val_sessions, cfg.seed + 1_000_003)]
+    rows = [r for r in rows if len(r[0]) <= cfg.max_len]
+    names = name_words()
+    return evaluate(model, rows, tokenizer.pad_token_id, cfg.batch_size,
+                    [name_positions(tokenizer, ids, mask, names) for ids, mask in rows])
+
+
 def clean_easy_success(model: torch.nn.Module, tokenizer: Any, n: int, seed: int = 0) -> float:
     """Strict success of one episode each on ``n`` held-out easy toy tasks with no obstacle
     (``toy_envs.suites.clean_easy``), sampled at temperature 1 in the bubblewrap sandbox."""

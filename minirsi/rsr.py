@@ -129,7 +129,9 @@ _READ_ONLY = {"ls", "cat", "pwd", "head", "tail", "wc", "grep", "find", "stat", 
 
 
 def _read_only(command: str) -> bool:
-    """A single inspection command with no redirection, no chaining into anything else."""
+    """A single inspection command with no redirection, no chaining into anything else
+    (comment lines aside: the toy demonstrator opens every block with one)."""
+    command = "\n".join(x for x in command.splitlines() if not x.lstrip().startswith("#")).strip()
     if any(c in command for c in (">", ";", "&", "|", "`", "$(", "\n")):
         return False
     words = command.split()

@@ -12,10 +12,10 @@ from minirsi.episode import Episode
 META = {
     "canonical": ["echo plum > cat.txt", "cp dog.txt fox.txt"],
     "obstacles": [{"kind": "read_only", "command": "echo plum > cat.txt",
-                   "error": "bash: line 8: cat.txt: Permission denied", "exit_code": 1,
+                   "error": "bash: line 9: cat.txt: Permission denied", "exit_code": 1,
                    "fix": ["chmod u+w cat.txt"], "redo": "echo plum > cat.txt"}],
 }
-DENIED = "bash: line 8: cat.txt: Permission denied\n[exit 1]"
+DENIED = "bash: line 8: cat.txt: Permission denied\n[exit 1]"  # the agent wrote no comment: line 8
 
 
 def _ep(turns, success=False, stop="done", parse_errors=0):
@@ -33,6 +33,8 @@ CASES = [
     ("obstacle", _ep([("echo plum > cat.txt", DENIED), ("cp dog.txt fox.txt", "[exit 0]")])),
     ("obstacle", _ep([("echo plum > cat.txt", DENIED), ("echo plum > cat.txt", DENIED),
                       ("cp dog.txt fox.txt", "[exit 0]")])),  # repeating it is no fix
+    ("obstacle", _ep([("# Write plum to cat.txt.\necho plum > cat.txt", "bash: line 9: cat.txt: Permission denied\n[exit 1]"),
+                      ("# Copy dog.txt to fox.txt.\ncp dog.txt fox.txt", "[exit 0]")])),  # the demonstrator's blocks
     ("stopped_early", _ep([("echo plum > cat.txt", DENIED), ("chmod u+w cat.txt", "[exit 0]"),
                            ("echo plum > cat.txt", "[exit 0]")])),
     ("other", _ep([("chmod u+w cat.txt", "[exit 0]"), ("echo plum > cat.txt", "[exit 0]"),

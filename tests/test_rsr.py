@@ -95,7 +95,8 @@ def test_cleaning_turns_fail_then_recover_into_a_verified_recover_first_run(tmp_
                                                                "retry": False})
         assert any(t.exit_code != 0 for t in s.turns)  # it did meet the obstacle
         cleaned = [step.command for step in clean_transcript(_recovery_transcript(s))]
-        assert cleaned == inst.solution, kind  # fix first, then the command, no failed attempt
+        # fix first, then the command, no failed attempt (each block keeps its comment line)
+        assert [c.split("\n")[-1] for c in cleaned] == inst.solution, kind
         task = load_task(write_task(inst, tmp_path))
         assert replay(task, cleaned).success, kind
 

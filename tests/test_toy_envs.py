@@ -248,7 +248,9 @@ def test_corpus_sessions_are_well_formed_and_deterministic():
         for t in s.turns:
             assert isinstance(t, corpus.Turn) and isinstance(t.commands, str) and t.commands.strip()
             assert isinstance(t.output, str) and isinstance(t.exit_code, int)
-            assert "\n" not in t.commands  # one command per turn
+            note, command = t.commands.split("\n")  # a comment restating the step, one command
+            assert note.startswith("# ") and note[2:] in (s.instruction + corpus.LOOK).replace(".\n", ".\n")
+            assert "\n" not in command and command == t.command
         if not s.defects:
             assert s.solved and all(t.exit_code == 0 for t in s.turns)
         assert s.solved == all(d == "retry" or d.endswith(":recover") for d in s.defects)
@@ -295,17 +297,17 @@ def test_recovery_sessions_fail_first_then_fix_then_redo():
     ob = step.obstacle
     rng = __import__("random").Random(0)
     rec = corpus.session_for(inst, rng, choices={"obstacle": "recover", "stop_early": False, "retry": False})
-    cmds = [t.commands for t in rec.turns]
+    cmds = [t.command for t in rec.turns]
     blocked = step.cmds[ob.at].text
     i = cmds.index(blocked)
     assert rec.turns[i].exit_code == ob.exit_code and rec.turns[i].output == ob.error + "\n"
     assert cmds[i + 1:i + 2 + len(ob.fix)] == [*ob.fix, ob.redo or blocked] and rec.solved
     for choice, n in (("move_on", 1), ("repeat", 2)):
         s = corpus.session_for(inst, rng, choices={"obstacle": choice, "stop_early": False, "retry": False})
-        assert [t.commands for t in s.turns].count(blocked) == n and not s.solved
-        assert not set(ob.fix) & {t.commands for t in s.turns}
+        assert [t.command for t in s.turns].count(blocked) == n and not s.solved
+        assert not set(ob.fix) & {t.command for t in s.turns}
     early = corpus.session_for(inst, rng, choices={"obstacle": "recover", "stop_early": True, "retry": False})
-    assert not early.solved and [t.commands for t in early.turns] != cmds
+    assert not early.solved and [t.command for t in early.turns] != cmds
 
 
 def test_a_session_without_defects_is_the_oracle():
@@ -313,7 +315,9 @@ def test_a_session_without_defects_is_the_oracle():
     for s in corpus.sessions(300, seed=2, explore=0.0):
         if not s.defects:
             inst = build_instance(FAMILIES[s.key[0]], *s.key[1:])
-            assert [t.commands for t in s.turns] == inst.solution and s.instruction == inst.instruction
+            assert [t.command for t in s.turns] == inst.solution and s.instruction == inst.instruction
+            assert [t.commands.split("\n")[0] for t in s.turns] == [
+                f"# {st.sentence}" for st in inst.steps for _ in st.solution]
             n += 1
     assert n > 30
 
@@ -327,7 +331,7 @@ def test_corpus_rejects_bad_knobs():
 
 def _replayable(turn) -> bool:
     """Turns whose output the corpus cannot know byte for byte: a commit's hash."""
-    return not turn.commands.startswith("git commit")
+    return not turn.command.startswith("git commit")
 
 
 @needs_sandbox

@@ -181,8 +181,17 @@ class Instance:
 
     @property
     def instruction(self) -> str:
-        sentences = [s.sentence for s in self.steps] + ([STRICT_SENTENCE] if self.strict else [])
-        return "\n".join(sentences) + "\n"
+        """The steps as numbered lines ("1. Copy cat.txt to dog.txt."), then the strict
+        sentence if any: a numbered line is what the demonstrator restates before each command
+        (toy_envs/corpus.py NOTE), and its number is where "this step again" and "the next
+        step" part (a decision), not a name."""
+        lines = [line for line in self.lines] + ([STRICT_SENTENCE] if self.strict else [])
+        return "\n".join(lines) + "\n"
+
+    @property
+    def lines(self) -> list[str]:
+        """The numbered instruction line of each step."""
+        return [f"{i + 1}. {s.sentence}" for i, s in enumerate(self.steps)]
 
     @property
     def commands(self) -> list[Cmd]:

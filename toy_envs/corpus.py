@@ -55,11 +55,19 @@ STRICT_SHARE = 0.3
 
 @dataclass
 class Turn:
-    """One agent turn: the command block, what the shell printed, and the last exit code."""
+    """One agent turn: the command block, what the shell printed, and the last exit code.
+
+    The demonstrator's block is two lines: a comment restating the instruction sentence it is
+    working on, then the command (``NOTE``)."""
 
     commands: str
     output: str
     exit_code: int
+
+    @property
+    def command(self) -> str:
+        """The shell command (the block without its comment line)."""
+        return self.commands.rsplit("\n", 1)[-1]
 
 
 @dataclass
@@ -118,22 +126,23 @@ def session_for(inst: Instance, rng: random.Random, look: bool = False, choices:
     defects: list[str] = []
     solved = True
     turns = _look(inst, rng) if look else []
-    plan: list[tuple[Cmd, list[Turn]]] = []  # per canonical command run, the turns it takes
-    for step in inst.steps:
+    plan: list[tuple[Cmd, list[Turn], str]] = []  # per canonical command run: its turns, its sentence
+    for step, line in zip(inst.steps, inst.lines):
         for i, c in enumerate(step.cmds):
             ob = step.obstacle if step.obstacle is not None and step.obstacle.at == i else None
             if ob is None:
-                plan.append((c, [_turn(c)]))
+                plan.append((c, [_turn(c)], line))
                 continue
             choice = choices.get("obstacle") or _pick(rng, obstacles.DEMONSTRATOR)
             defects.append(f"{ob.kind}:{choice}")
             failed = Turn(c.text, ob.error + "\n", ob.exit_code)
             if choice == "recover":
-                plan.append((c, [failed, *(Turn(f, "", 0) for f in ob.fix), Turn(ob.redo or c.text, c.output, c.exit_code)]))
+                plan.append((c, [failed, *(Turn(f, "", 0) for f in ob.fix), Turn(ob.redo or c.text, c.output, c.exit_code)],
+                             line))
                 continue
             # move_on / repeat: the step is given up; its later commands (which need the failed
             # one: a commit after a refused ``git add``) are not run either
-            plan.append((c, [failed] * (2 if choice == "repeat" else 1)))
+            plan.append((c, [failed] * (2 if choice == "repeat" else 1), line))
             solved = False
             break
     retry = choices["retry"] if "retry" in choices else rng.random() < obstacles.RETRY
@@ -145,13 +154,28 @@ def session_for(inst: Instance, rng: random.Random, look: bool = False, choices:
         plan.pop()
         defects.append("stop_early")
         solved = False
-    turns += [t for _, ts in plan for t in ts]
+    turns += [_noted(t, sentence) for _, ts, sentence in plan for t in ts]
     return Session(inst.instruction, turns, inst.family.name, inst.difficulty, inst.task_id, inst.key,
                    tuple(defects), solved)
 
 
 def _pick(rng: random.Random, weights: dict[str, float]) -> str:
     return rng.choices(list(weights), list(weights.values()))[0]
+
+
+NOTE = "# {sentence}"
+"""The comment line that opens every block of the demonstrator: the numbered instruction line
+of the step it is on ("# 2. Copy cat.txt to dog.txt."), or LOOK before the first step. Why: a
+tiny model copies a name from the instruction reliably only where an *induction* head can find
+it (the text it just wrote, found earlier in the context, followed by what it needs); the
+command alone ("cp cat.txt dog.txt") matches nothing in the instruction, while the restated line
+matches its line and is followed by the next step's. Measured: docs/experiments.md."""
+
+LOOK = "Look at the files."
+
+
+def _noted(t: Turn, sentence: str) -> Turn:
+    return Turn(NOTE.format(sentence=sentence) + "\n" + t.commands, t.output, t.exit_code)
 
 
 def _turn(c: Cmd) -> Turn:
@@ -165,30 +189,30 @@ def _look(inst: Instance, rng: random.Random) -> list[Turn]:
         m = re.search(r"> (\S+)$", line)
         if m and "/" not in m.group(1) and not m.group(1).startswith("."):  # ls hides dot files
             names.add(m.group(1))
-    turns = [Turn("ls", "".join(f"{x}\n" for x in sorted(names)), 0)]
+    turns = [_noted(Turn("ls", "".join(f"{x}\n" for x in sorted(names)), 0), LOOK)]
     if rng.random() < 0.5:
         files = inst.files()
         for c in inst.commands:
             readable = [r for r in c.reads if r in files and not r.endswith((".tar", ".zip"))
                         and not any(r in line for line in inst.setup)]  # set-up may have changed it
             if readable:
-                turns.append(Turn(f"cat {readable[0]}", files[readable[0]].content.decode(), 0))
+                turns.append(_noted(Turn(f"cat {readable[0]}", files[readable[0]].content.decode(), 0), LOOK))
                 break
     return turns
 
 
-def _retry(inst: Instance, plan: list[tuple[Cmd, list[Turn]]], rng: random.Random, defects: list[str]) -> None:
+def _retry(inst: Instance, plan: list[tuple[Cmd, list[Turn], str]], rng: random.Random, defects: list[str]) -> None:
     """A command that reads a file first names one the task never mentions, fails, and is
     run right next (only commands without an obstacle of their own)."""
-    reading = [i for i, (c, ts) in enumerate(plan) if c.reads and c.error and ts == [_turn(c)]]
+    reading = [i for i, (c, ts, _) in enumerate(plan) if c.reads and c.error and ts == [_turn(c)]]
     if not reading:
         return
     i = rng.choice(reading)
-    c, ts = plan[i]
+    c, ts, sentence = plan[i]
     path = rng.choice(c.reads)
     free = [w for w in FILES if not re.search(rf"\b{w}\b", inst.instruction)]
     wrong = _rename(path, rng.choice(free))
-    plan[i] = (c, [Turn(_sub(c.text, path, wrong), c.error.format(path=wrong) + "\n", c.error_code), *ts])
+    plan[i] = (c, [Turn(_sub(c.text, path, wrong), c.error.format(path=wrong) + "\n", c.error_code), *ts], sentence)
     defects.append("retry")
 
 
