@@ -8,8 +8,8 @@ processes differ:
 * ``shard(model)``: FSDP2, ``fully_shard`` on each decoder layer (the model's
   ``_no_split_modules``), then on the root. Each rank holds 1/W of every parameter, gradient and
   AdamW moment; a layer's full weights exist only while it runs (all-gather), its gradient is
-  reduce-scattered straight after its backward. bf16 parameters with fp32 reduction on CUDA,
-  fp32 on CPU.
+  reduce-scattered straight after its backward (or once per minibatch, ``grad_sync``). bf16
+  layers with fp32 reduction and fp32 output heads on CUDA (``fsdp2``), fp32 on CPU.
 * ``local(batch)``: this rank's rows of a (micro-)batch that every rank holds whole. The step's
   episodes are collected once (rank 0, see ``rollout_fn``) and broadcast, so every rank draws
   the same minibatches from the same seeded generator and takes rows ``rank, rank + W, ...`` of
@@ -38,7 +38,8 @@ rank 0 from the saved checkpoint):
 at scale the sampler is a vLLM server fleet with one client, and a single collector keeps the
 episodes, hence the update, identical to a one-process run with the same seeds. Checkpoints are
 gathered to full state dicts and written by rank 0 with ``save_pretrained``, so they load at any
-world size. When inference servers sample (``rollout_fn(..., gather=False)``) rank 0 keeps no
+world size; optimizer states are not gathered: every rank writes its shards
+(``save_optimizers``, torch.distributed.checkpoint), read back at any world size. When inference servers sample (``rollout_fn(..., gather=False)``) rank 0 keeps no
 unsharded copy (``shard``/``load_sharded`` with ``keep_unsharded=False``): it keeps a weightless
 skeleton (``meta_copy``) and each weight push or save gathers the full weights to its host memory
 and fills a transient model with them (``filled``), freed after use.
@@ -50,6 +51,10 @@ each rank keeping its slice (``set_model_state_dict(full_state_dict=True,
 broadcast_from_rank0=True)``); non-persistent buffers (RoPE's ``inv_freq``, in no state dict)
 are broadcast from rank 0's model. A rank other than 0 never holds more than its shards plus
 one full tensor; bench/sharded_load.py measures it.
+
+Settings (``init``): activation checkpointing, the reduce dtype and deferred gradient sync come
+from the run config's ``scale`` section under any launcher (torchrun sets no FSDP variable);
+``accelerate launch``'s FSDP variables must agree with it.
 
 Launch::
 
@@ -565,6 +570,13 @@ def fsdp2(model: nn.Module, bf16: bool, reshard_after_forward: bool = True,
         kinds = tuple({type(m) for m in layers})
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, kinds))
         layers = decoder_layers(model)
+        # A transformers model builds a KV cache in every forward its config allows one (it turns
+        # that off itself only under its own gradient checkpointing); a layer recomputed in
+        # backward would append its keys to that cache a second time. Sampling uses unsharded
+        # copies, whose configs are their own.
+        for m in model.modules():
+            if getattr(getattr(m, "config", None), "use_cache", False):
+                m.config.use_cache = False
     for layer in layers:
         fully_shard(layer, mp_policy=low, reshard_after_forward=reshard_after_forward)
     root = low

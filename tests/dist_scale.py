@@ -29,9 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from minirsi import distributed  # noqa: E402
-from minirsi.critic import build_critic  # noqa: E402
+from minirsi.critic import build_critic, load_critic_sharded, save_critic  # noqa: E402
 from minirsi.distributed import fsdp2, max_abs_diff  # noqa: E402
 from minirsi.memplan import ScaleConfig  # noqa: E402
+from minirsi.models import build_tokenizer, load_actor_sharded, save_actor  # noqa: E402
 from minirsi.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
 from test_rpr import synthetic_episode  # noqa: E402
 from tiny import tiny_qwen  # noqa: E402
@@ -108,7 +109,8 @@ def main() -> None:
     rng = random.Random(0)
     episodes = [synthetic_episode(rng, rng.randint(1, 3)) for _ in range(6)]
     rewards = [rng.random() for _ in episodes]
-    cfg = RPRConfig(minibatch_size=4, grad_accum=2, ppo_epochs=1, lr_actor=1e-3, lr_critic=1e-3, seed=0)
+    # micro-batches of 3 rows: rank 0 trains on 2 rows of different lengths (padding, a 4-D mask)
+    cfg = RPRConfig(minibatch_size=6, grad_accum=2, ppo_epochs=1, lr_actor=1e-3, lr_critic=1e-3, seed=0)
     base_actor, base_critic = tiny_qwen(seed=1), build_critic(tiny_qwen(seed=1), head_init_std=0.1)
     deferred = dataclasses.replace(world, defer_grad_sync=True, shadows={}, skeletons={})
     m = deferred.shard(copy.deepcopy(base_actor), keep_unsharded=False)
@@ -120,9 +122,16 @@ def main() -> None:
     m(**deferred.local(batch)).logits.float().pow(2).mean().backward()
     result["grads_after_last_micro_batch"] = world.all_sum(float(sum(p.grad is not None for p in m.parameters())))
 
+    saved = out.parent / "saved"
+    if world.is_main:  # loaded from disk, as the stages load them (a loaded model's forward is the one to test)
+        tok = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
+        save_actor(base_actor, tok, saved / "actor")
+        save_critic(base_critic, saved / "critic")
+    world.barrier()
+
     def update(w: distributed.World) -> tuple[dict, dict, object]:
-        a = w.shard(copy.deepcopy(base_actor), keep_unsharded=False)
-        c = w.shard(copy.deepcopy(base_critic), keep_unsharded=False)
+        a = load_actor_sharded(saved / "actor", w, keep_unsharded=False)[0]
+        c = load_critic_sharded(saved / "critic", w)
         opts = make_optimizers(a, c, cfg)
         b = prepare_batch(a, c, episodes, rewards, cfg, world=w)
         ppo_update(a, c, b, cfg, opts, world=w)
@@ -131,9 +140,11 @@ def main() -> None:
     plain_world = dataclasses.replace(world, activation_checkpointing=False, shadows={}, skeletons={})
     a1, c1, o1 = update(plain_world)
     a2, c2, _ = update(dataclasses.replace(plain_world, defer_grad_sync=True, shadows={}, skeletons={}))
-    full = [world.full_state_dict(x) for x in (a1, c1, a2, c2)]
+    a4, c4, _ = update(dataclasses.replace(world, shadows={}, skeletons={}))  # activation checkpointing on
+    full = [world.full_state_dict(x) for x in (a1, c1, a2, c2, a4, c4)]
     if world.is_main:
         result["deferred_vs_every_micro_batch"] = max(max_abs_diff(full[0], full[2]), max_abs_diff(full[1], full[3]))
+        result["checkpointed_vs_not"] = max(max_abs_diff(full[0], full[4]), max_abs_diff(full[1], full[5]))
         result["update_moved"] = max_abs_diff(full[0], {k: v for k, v in base_actor.state_dict().items() if k in full[0]})
 
     # -- a sharded optimizer checkpoint, resumed ------------------------------------------------------
@@ -147,8 +158,8 @@ def main() -> None:
     if world.is_main:
         torch.save({"actor": gathered, "actor_weights": full[0]}, out.with_suffix(".optim.pt"))
     # a fresh pair of sharded models with a1/c1's weights and fresh optimizers, then the checkpoint
-    a3 = world.shard(copy.deepcopy(base_actor), keep_unsharded=False)
-    c3 = world.shard(copy.deepcopy(base_critic), keep_unsharded=False)
+    a3 = plain_world.shard(copy.deepcopy(base_actor), keep_unsharded=False)
+    c3 = plain_world.shard(copy.deepcopy(base_critic), keep_unsharded=False)
     for src, dst in ((a1, a3), (c1, c3)):
         dst.load_state_dict(src.state_dict())  # the same DTensor shards
     o3 = make_optimizers(a3, c3, cfg)

@@ -107,6 +107,7 @@ def test_scale_path_on_two_ranks(tmp_path):
     assert r["world_size"] == 2
     # torchrun sets no FSDP variable: the config turned checkpointing on, on every decoder layer
     assert r["ckpt_from_config"] == 1.0 and r["wrapped_layers"] == 2
+    assert r["checkpointed_vs_not"] <= TOL  # a PPO update with the layers recomputed in backward: the same
     assert r["conflict_refused"] == 1.0 and "scale.activation_checkpointing=true" in r["conflict_message"]
     for name in ("untied", "tied", "critic"):  # fp32 weights in, fp32 logits (values) out, bf16 layers
         h = r[f"heads_{name}"]
