@@ -6,7 +6,7 @@
     RUN_DIR/config.yaml         the full RunConfig (a resumed run must match it)
     RUN_DIR/calibration.json    FDR/SPR scales D_f, computed once from the train suite, frozen
     RUN_DIR/tasks/<suite>/      the generated toy suites (deterministic in suites.seed)
-    RUN_DIR/stages/NN-name/     actor/, critic/, optimizer.pt, rng.pt, metrics.jsonl,
+    RUN_DIR/stages/NN-name/     actor/, critic/, optimizer.pt (sharded: optimizer/), rng.pt, metrics.jsonl,
                                 episodes*.jsonl, eval/<suite>.jsonl, eval.json, DONE.json
     RUN_DIR/metrics.jsonl       every update of every stage: {"stage", "step", metric: value}
     RUN_DIR/tb/                 the same metrics for TensorBoard (offline)
