@@ -30,10 +30,10 @@ import torch
 
 from minirsi import distributed, fdr, rollout, rsr
 from minirsi.config import ConfigError, to_dict
-from minirsi.critic import build_critic, critic_skeleton, load_critic, load_critic_sharded, save_critic, warmup_critic
+from minirsi.critic import build_critic, load_critic, load_critic_sharded, save_critic, warmup_critic
 from minirsi.episode import JsonlWriter
 from minirsi.evaluate import evaluate, generate_toy_suites, load_suites
-from minirsi.models import load_actor, load_actor_sharded, load_tokenizer, pad_id_of, save_actor
+from minirsi.models import load_actor, load_actor_sharded, pad_id_of, save_actor
 from minirsi.pretrain import PretrainConfig, pretrain
 from minirsi.rpr import make_optimizers, make_rollout_fn, run_rpr, score
 from minirsi.rundir import RunDir, StageInputs, StageSpec, stage_seed
