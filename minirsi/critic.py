@@ -106,10 +106,15 @@ class WarmupConfig:
     """Micro-batches per minibatch (gradient accumulation, bounds memory)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
+    forward_chunk: int = 0
+    """Sequences per no-grad pass of V_old; 0: a micro-batch's rows at once (the CPU presets).
+    At scale 1: one long episode's activations at a time (``minirsi plan`` counts it)."""
     seed: int = 0
     """Seeds the minibatch shuffle (the recipe sets it from the run seed)."""
 
     def __post_init__(self) -> None:
+        if self.forward_chunk < 0:
+            raise ValueError(f"warmup.forward_chunk={self.forward_chunk}: use 0 (a micro-batch at once) or >= 1")
         for name in ("samples_per_task", "epochs", "minibatch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"warmup.{name}={getattr(self, name)}: use >= 1")
@@ -356,7 +361,7 @@ def warmup_critic(
             parts = []
             for idx in micro:
                 b = collate([episodes[i] for i in idx], [rewards[i] for i in idx], pad_id=pad_id, device=device)
-                b["old_values"] = compute_values(critic, b, chunk=len(idx))
+                b["old_values"] = compute_values(critic, b, chunk=cfg.forward_chunk or len(idx))
                 _, b["returns"] = tb_gae(b["rewards"], b["old_values"], b["action_mask"], b["turn_ids"],
                                          cfg.gamma_turn, cfg.lam_turn)
                 parts.append(b)
@@ -368,7 +373,8 @@ def warmup_critic(
                 parts = [world.local(b) for b in parts]
                 n_tok = world.normalizer(sum(b["action_mask"].sum() for b in parts).clamp(min=1))
             optimizer.zero_grad(set_to_none=True)
-            for b in parts:
+            for i, b in enumerate(parts):
+                world.grad_sync([critic], last=i == len(parts) - 1)
                 v = critic(b["input_ids"], b["attention_mask"])
                 value_loss(v, b["old_values"], b["returns"], b["action_mask"], cfg.value_clip, n_tok).backward()
             torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)

@@ -8,8 +8,8 @@ processes differ:
 * ``shard(model)``: FSDP2, ``fully_shard`` on each decoder layer (the model's
   ``_no_split_modules``), then on the root. Each rank holds 1/W of every parameter, gradient and
   AdamW moment; a layer's full weights exist only while it runs (all-gather), its gradient is
-  reduce-scattered straight after its backward. bf16 parameters with fp32 reduction on CUDA,
-  fp32 on CPU.
+  reduce-scattered straight after its backward (or once per minibatch, ``grad_sync``). bf16
+  layers with fp32 reduction and fp32 output heads on CUDA (``fsdp2``), fp32 on CPU.
 * ``local(batch)``: this rank's rows of a (micro-)batch that every rank holds whole. The step's
   episodes are collected once (rank 0, see ``rollout_fn``) and broadcast, so every rank draws
   the same minibatches from the same seeded generator and takes rows ``rank, rank + W, ...`` of
@@ -38,7 +38,8 @@ rank 0 from the saved checkpoint):
 at scale the sampler is a vLLM server fleet with one client, and a single collector keeps the
 episodes, hence the update, identical to a one-process run with the same seeds. Checkpoints are
 gathered to full state dicts and written by rank 0 with ``save_pretrained``, so they load at any
-world size. When inference servers sample (``rollout_fn(..., gather=False)``) rank 0 keeps no
+world size; optimizer states are not gathered: every rank writes its shards
+(``save_optimizers``, torch.distributed.checkpoint), read back at any world size. When inference servers sample (``rollout_fn(..., gather=False)``) rank 0 keeps no
 unsharded copy (``shard``/``load_sharded`` with ``keep_unsharded=False``): it keeps a weightless
 skeleton (``meta_copy``) and each weight push or save gathers the full weights to its host memory
 and fills a transient model with them (``filled``), freed after use.
@@ -50,6 +51,10 @@ each rank keeping its slice (``set_model_state_dict(full_state_dict=True,
 broadcast_from_rank0=True)``); non-persistent buffers (RoPE's ``inv_freq``, in no state dict)
 are broadcast from rank 0's model. A rank other than 0 never holds more than its shards plus
 one full tensor; bench/sharded_load.py measures it.
+
+Settings (``init``): activation checkpointing, the reduce dtype and deferred gradient sync come
+from the run config's ``scale`` section under any launcher (torchrun sets no FSDP variable);
+``accelerate launch``'s FSDP variables must agree with it.
 
 Launch::
 
@@ -67,6 +72,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 import torch
@@ -90,6 +96,12 @@ class World:
     """Free each layer's gathered weights after its forward (ZeRO-3); False keeps them to backward."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of keeping its activations."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype of the gradient reduce-scatter on CUDA (accumulated into fp32 shards either way)."""
+    defer_grad_sync: bool = False
+    """Reduce-scatter gradients once per minibatch (after its last micro-batch) instead of after
+    every micro-batch: no communication in between, at the price of every layer's unsharded
+    fp32 gradient held until then (``minirsi plan`` counts it; for LoRA it is the adapters')."""
     shadows: dict[int, nn.Module] = field(default_factory=dict, repr=False)
     """Rank 0: id(sharded model) -> its unsharded copy for sampling."""
     skeletons: dict[int, nn.Module] = field(default_factory=dict, repr=False)
@@ -122,6 +134,15 @@ class World:
         n = n_local.detach().double().clone()
         dist.all_reduce(n)
         return (n.clamp(min=1) / self.size).to(torch.float32)
+
+    def grad_sync(self, models: Sequence[nn.Module], last: bool) -> None:
+        """Before a micro-batch's backward: with ``defer_grad_sync``, the models reduce-scatter
+        their gradients only in the minibatch's ``last`` backward (FSDP2's
+        ``set_requires_gradient_sync``); otherwise after every one (nothing to do). Identity at
+        world size 1."""
+        if self.size > 1 and self.defer_grad_sync:
+            for m in models:
+                m.set_requires_gradient_sync(last)
 
     def forward_rows(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                      batch: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
@@ -173,7 +194,7 @@ class World:
     def _fsdp2(self, model: nn.Module) -> None:
         """``fsdp2`` with this world's settings: bf16 on CUDA, resharding, checkpointing."""
         fsdp2(model, bf16=str(self.device).startswith("cuda"), reshard_after_forward=self.reshard_after_forward,
-              activation_checkpointing=self.activation_checkpointing)
+              activation_checkpointing=self.activation_checkpointing, reduce_dtype=self.reduce_dtype)
 
     def load_sharded(self, load: Callable[[], nn.Module], build: Callable[[], nn.Module],
                      keep_unsharded: bool = True) -> nn.Module:
@@ -244,10 +265,19 @@ class World:
             m.training = training
 
     def _remember(self, model: nn.Module, plain: nn.Module | None, skeleton: nn.Module | None) -> None:
+        self.release(model)  # an id freed by an earlier model may come back
         if plain is not None:
             self.shadows[id(model)] = plain
         else:
             self.skeletons[id(model)] = skeleton
+
+    def release(self, *models: nn.Module) -> None:
+        """Forget rank 0's unsharded copy or skeleton of each of ``models`` (a stage's models, at
+        its end): the host memory of a copy goes with it, and a later model that Python gives
+        the same ``id`` cannot find it."""
+        for m in models:
+            self.shadows.pop(id(m), None)
+            self.skeletons.pop(id(m), None)
 
     # -- whole models ------------------------------------------------------------------------
 
@@ -303,6 +333,47 @@ class World:
         return get_optimizer_state_dict(model, optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    def save_optimizers(self, stage_dir: str | os.PathLike, optimizers: dict[str, tuple[nn.Module, Any]]) -> None:
+        """Write a stage's optimizer states, ``{name: (model, optimizer)}``, every rank calling it.
+
+        One process: ``stage_dir/optimizer.pt``, ``torch.save({name: optimizer.state_dict()})``.
+        Sharded: ``stage_dir/optimizer/``, a ``torch.distributed.checkpoint`` (DCP) directory in
+        which every rank writes its own shards of every AdamW moment (one file per rank) and rank
+        0 the metadata last; nothing is gathered (the full AdamW state of a 32B actor and critic
+        is ~520 GB). ``stage_dir`` must be the same directory on every rank (shared storage
+        across nodes). ``load_optimizers`` reads either at any world size."""
+        out = Path(stage_dir)
+        if self.size == 1:
+            torch.save({k: opt.state_dict() for k, (_, opt) in optimizers.items()}, out / OPTIMIZER_FILE)
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        (out / OPTIMIZER_DIR).mkdir(parents=True, exist_ok=True)
+        dcp.save({k: get_optimizer_state_dict(m, opt) for k, (m, opt) in optimizers.items()},
+                 checkpoint_id=str(out / OPTIMIZER_DIR))
+
+    def load_optimizers(self, stage_dir: str | os.PathLike, optimizers: dict[str, tuple[nn.Module, Any]]) -> bool:
+        """Load what ``save_optimizers`` wrote into ``{name: (model, optimizer)}``, from a run of
+        any world size (DCP reshards); every rank calls it. False when ``stage_dir`` holds
+        neither form (the caller starts from fresh moments)."""
+        d = Path(stage_dir)
+        if (d / OPTIMIZER_FILE).is_file():
+            state = torch.load(d / OPTIMIZER_FILE, weights_only=False)
+            for k, (m, opt) in optimizers.items():
+                self.load_optimizer_state(m, opt, state[k])
+            return True
+        if not (d / OPTIMIZER_DIR / ".metadata").is_file():
+            return False
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {k: get_optimizer_state_dict(m, opt) for k, (m, opt) in optimizers.items()}  # the layout to fill
+        dcp.load(state, checkpoint_id=str(d / OPTIMIZER_DIR))
+        for k, (m, opt) in optimizers.items():
+            set_optimizer_state_dict(m, opt, state[k])
+        return True
+
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load what ``optimizer_state`` wrote, from a run of any world size."""
         by_index = all(isinstance(k, int) for k in state["state"])
@@ -328,10 +399,20 @@ class World:
         return box[0]
 
     def on_main(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 only and give its result to every rank."""
+        """Run ``fn`` on rank 0 only and give its result to every rank; an exception it raises
+        is raised on every rank (none is left waiting at the broadcast)."""
         if self.size == 1:
             return fn()
-        return self.broadcast(fn() if self.is_main else None)
+        outcome: tuple[bool, Any] = (True, None)
+        if self.is_main:
+            try:
+                outcome = (True, fn())
+            except Exception as e:  # handed to every rank, raised there below
+                outcome = (False, e)
+        ok, value = self.broadcast(outcome)
+        if not ok:
+            raise value
+        return value
 
     def rollout_fn(self, rollout_fn: Callable[[nn.Module, Sequence[Any], int], list],
                    gather: bool = True) -> Callable:
@@ -355,6 +436,11 @@ class World:
 
 SINGLE = World()
 """One process: every hook is the identity."""
+
+OPTIMIZER_FILE = "optimizer.pt"
+"""A one-process stage's optimizer states (``World.save_optimizers``)."""
+OPTIMIZER_DIR = "optimizer"
+"""A sharded stage's optimizer states: a torch.distributed.checkpoint directory."""
 
 _current: World = SINGLE
 
@@ -381,19 +467,24 @@ def _exit_with_launcher(period: float = 0.5) -> None:
     threading.Thread(target=watch, name="minirsi-launcher-watch", daemon=True).start()
 
 
-def init(device: str = "cpu") -> World:
+def init(device: str = "cpu", scale: Any = None) -> World:
     """Join the process group torchrun / accelerate describe in the environment (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); ``SINGLE`` when WORLD_SIZE is unset or 1.
 
-    gloo on CPU, nccl on CUDA (each rank on cuda:LOCAL_RANK). accelerate's FSDP settings are
-    honoured: FSDP_RESHARD_AFTER_FORWARD, FSDP_ACTIVATION_CHECKPOINTING. The collective timeout
-    (MINIRSI_DIST_TIMEOUT_MIN, default 180 min) must cover rank 0's evaluation, during which the
-    other ranks wait at a barrier."""
+    gloo on CPU, nccl on CUDA (each rank on cuda:LOCAL_RANK). ``scale`` (the run config's
+    ``ScaleConfig``) sets activation checkpointing, the reduce dtype and deferred gradient sync,
+    whatever the launcher: torchrun sets no FSDP variable, so the config is the one place these
+    are chosen. Under ``accelerate launch`` the FSDP variables it sets from its YAML
+    (FSDP_ACTIVATION_CHECKPOINTING, FSDP_RESHARD_AFTER_FORWARD) must agree with the config: a
+    disagreement is an error naming both. Without ``scale`` (tests, tutorials) the variables
+    alone decide, as accelerate's YAML says. The collective timeout (MINIRSI_DIST_TIMEOUT_MIN,
+    default 180 min) must cover rank 0's rollouts, during which the other ranks wait."""
     global _current
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         _current = SINGLE
         return _current
+    settings = fsdp_settings(scale)  # before joining: a bad setting fails every rank alike
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     _exit_with_launcher()
     cuda = device.startswith("cuda")
@@ -403,13 +494,33 @@ def init(device: str = "cpu") -> World:
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=float(os.environ.get("MINIRSI_DIST_TIMEOUT_MIN", "180")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-    flag = lambda name, default: os.environ.get(name, default).lower() in ("1", "true", "yes")  # noqa: E731
-    _current = World(rank=rank, size=size, device=device,
-                     reshard_after_forward=flag("FSDP_RESHARD_AFTER_FORWARD", "true"),
-                     activation_checkpointing=flag("FSDP_ACTIVATION_CHECKPOINTING", "false"))
+    _current = World(rank=rank, size=size, device=device, **settings)
     if _current.is_main:
-        logger.info("FSDP2 over %d ranks (%s, %s)", size, dist.get_backend(), device)
+        logger.info("FSDP2 over %d ranks (%s, %s), activation checkpointing %s, reduce-scatter in %s %s", size,
+                    dist.get_backend(), device, "on" if _current.activation_checkpointing else "off",
+                    str(_current.reduce_dtype).removeprefix("torch.") if cuda else "float32",
+                    "once per minibatch" if _current.defer_grad_sync else "every micro-batch")
     return _current
+
+
+def fsdp_settings(scale: Any = None) -> dict[str, Any]:
+    """World's FSDP fields from the run config's ``scale`` section, checked against the FSDP
+    variables ``accelerate launch`` sets (``init``'s docstring); from the variables alone when
+    ``scale`` is None."""
+    def flag(name: str) -> bool | None:
+        value = os.environ.get(name)
+        return None if value is None else value.lower() in ("1", "true", "yes")
+
+    env_ckpt, env_reshard = flag("FSDP_ACTIVATION_CHECKPOINTING"), flag("FSDP_RESHARD_AFTER_FORWARD")
+    if scale is None:
+        return {"activation_checkpointing": bool(env_ckpt), "reshard_after_forward": env_reshard is not False}
+    if env_ckpt is not None and env_ckpt != scale.activation_checkpointing:
+        raise ValueError(f"the accelerate config sets fsdp_activation_checkpointing: {str(env_ckpt).lower()} "
+                         f"(FSDP_ACTIVATION_CHECKPOINTING), the run config scale.activation_checkpointing="
+                         f"{str(scale.activation_checkpointing).lower()}: set them alike (the run config decides "
+                         "under torchrun, where no such variable is set)")
+    return {"activation_checkpointing": scale.activation_checkpointing, "reshard_after_forward": env_reshard is not False,
+            "reduce_dtype": getattr(torch, scale.reduce_dtype), "defer_grad_sync": scale.defer_grad_sync}
 
 
 def shutdown(wait: bool = True) -> None:
@@ -436,13 +547,22 @@ def exit_rank(code: int = 0) -> NoReturn:
 
 
 def fsdp2(model: nn.Module, bf16: bool, reshard_after_forward: bool = True,
-          activation_checkpointing: bool = False) -> nn.Module:
+          activation_checkpointing: bool = False, reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root, over the default process group (in
-    place). ``bf16``: bf16 parameters in compute, fp32 gradient reduction (the GPU setting);
-    otherwise fp32 throughout. ``activation_checkpointing`` wraps each layer first."""
+    place). ``bf16``: bf16 parameters in compute, gradients reduced in ``reduce_dtype`` (fp32 by
+    default; the GPU setting); otherwise fp32 throughout. ``activation_checkpointing`` wraps
+    each layer first.
+
+    The output heads compute in fp32 under ``bf16`` (``output_heads``: the LM head, a value
+    head): a bf16 head rounds every logit to 8 bits of mantissa (a logit of 20 by up to 0.06),
+    which no ``.float()`` after it recovers, and that error lands in the log-probs PPO's ratio
+    and the train/sampler gap are made of. An untied head is an FSDP unit of its own with an
+    fp32 policy (its input cast to fp32); a head tied to the input embedding cannot be split
+    from it, so the root unit (embedding, final norm, head) is fp32 instead."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    low = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if bf16 else MixedPrecisionPolicy()
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     layers = decoder_layers(model)
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -450,10 +570,34 @@ def fsdp2(model: nn.Module, bf16: bool, reshard_after_forward: bool = True,
         kinds = tuple({type(m) for m in layers})
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, kinds))
         layers = decoder_layers(model)
+        # A transformers model builds a KV cache in every forward its config allows one (it turns
+        # that off itself only under its own gradient checkpointing); a layer recomputed in
+        # backward would append its keys to that cache a second time. Sampling uses unsharded
+        # copies, whose configs are their own.
+        for m in model.modules():
+            if getattr(getattr(m, "config", None), "use_cache", False):
+                m.config.use_cache = False
     for layer in layers:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mp_policy=low, reshard_after_forward=reshard_after_forward)
+    root = low
+    if bf16:
+        embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        for head in output_heads(model):
+            if any(id(p) in embedded for p in head.parameters()):
+                root = fp32  # tied to the input embedding: the root unit holds both
+            else:
+                fully_shard(head, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=root, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def output_heads(model: nn.Module) -> list[nn.Module]:
+    """The modules that map hidden states to outputs: a causal LM's ``get_output_embeddings()``
+    (through peft) and a value model's ``head``."""
+    heads = [getattr(model, "head")] if isinstance(getattr(model, "head", None), nn.Linear) else []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm_head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    return heads + ([lm_head] if isinstance(lm_head, nn.Module) else [])
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

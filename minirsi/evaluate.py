@@ -98,11 +98,13 @@ def evaluate(
     out_dir: str | Path | None = None,
     seed: int = 0,
     long_suites: Sequence[str] = LONG_SUITES,
+    sampler: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Roll the actor out k times on every task of every suite and score it.
 
     Args:
-        actor: a causal LM (``models.load_actor``); sampled through ``sampler.HFSampler``.
+        actor: a causal LM (``models.load_actor``); sampled through ``sampler.HFSampler``
+            unless ``sampler`` is given (then it may be None).
         tokenizer: its tokenizer.
         suites: suite name -> list of ``tasks.Task``.
         k: attempts per task (Mean@k).
@@ -111,6 +113,8 @@ def evaluate(
             (what ``minirsi audit`` rescores).
         seed: sampling seed (the same for every checkpoint: common random numbers).
         long_suites: suites that also report process reward and strict completion.
+        sampler: sample with this instead (inference servers holding the actor's weights:
+            ``weight_sync.WeightSync.sampler`` after a push).
     Returns:
         suite -> the dict ``summarise`` returns.
     """
@@ -128,9 +132,10 @@ def evaluate(
     # (``cfg.concurrency`` episodes live) instead of draining at the end of each small suite.
     entries = [(name, t) for name, tasks in suites.items() for t in tasks for _ in range(k)]
     was_training = getattr(actor, "training", False)
-    actor.eval()
+    if actor is not None:
+        actor.eval()
     try:
-        episodes = rollout.collect([t for _, t in entries], HFSampler(actor, tokenizer), tokenizer,
+        episodes = rollout.collect([t for _, t in entries], sampler or HFSampler(actor, tokenizer), tokenizer,
                                    dataclasses.replace(cfg, seed=seed))
     finally:
         if was_training:

@@ -318,6 +318,31 @@ def save_actor(
     return out
 
 
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain (Hugging Face) state dict of a peft LoRA model with its active adapters merged,
+    ``W' = W + (alpha / r) B A`` for each adapted layer (peft's ``get_delta_weight``, the same
+    sum ``merge_and_unload`` makes), every other tensor shared with the model, not copied: the
+    merged copy of the whole model that ``merge_and_unload`` needs (one model's memory; 131 GB
+    for a 32B actor in fp32) is never made. Names as ``merge_and_unload().state_dict()``'s."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    merged = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not module.merged:
+            w = module.get_base_layer().weight.detach()
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    w = w + module.get_delta_weight(adapter).detach()
+            merged[f"{name}.base_layer.weight"] = w
+    out = {}
+    for key, value in base.state_dict(keep_vars=True).items():
+        if "lora_" in key:
+            continue
+        out[key.replace(".base_layer.", ".")] = merged.get(key, value.detach())
+    return out
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,  # (B, T)

@@ -272,7 +272,7 @@ def check_plan(cfg: RunConfig, world_size: int = 1) -> Any:
     scale = dataclasses.replace(cfg.scale, lora=cfg.scale.lora or cfg.lora.enabled,
                                 tokens_per_step=cfg.scale.tokens_per_step or cfg.scale.seq_len * cfg.rpr1.episodes_per_step,
                                 kl_reference=cfg.scale.kl_reference or max(cfg.rpr1.kl_coef, cfg.rpr2.kl_coef) > 0)
-    result = memplan.plan(shape, scale, world_size if world_size > 1 else None)
+    result = memplan.plan(shape, scale, world_size if world_size > 1 else None, passes=memplan.passes_of(cfg))
     if not result.fits:
         raise ConfigError(memplan.fit_error(result))
     return result
@@ -312,7 +312,7 @@ def cli(argv: Sequence[str] | None = None, command: str = "run") -> int:
             run_dir = Path(args.out) if args.out else Path("runs") / Path(preset).stem
         cfg = load_config(RunConfig, source, args.overrides)
         t0 = time.time()
-        world = distributed.init(cfg.device)  # torchrun / accelerate launch: join the ranks
+        world = distributed.init(cfg.device, cfg.scale)  # torchrun / accelerate launch: join the ranks
         try:
             results = run(cfg, run_dir, resume=bool(args.resume))
         except BaseException:

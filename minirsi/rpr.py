@@ -22,7 +22,11 @@ with, over action tokens t only (m_t = 1), each a token mean over the minibatch 
 Choices the paper leaves open, ours:
 
 * Token mean over the minibatch (not a per-sequence mean): every action token weighs the
-  same, so long episodes are not down-weighted. Gradient accumulation divides every
+  same, so long episodes are not down-weighted.
+* The joint loss is backpropagated one model at a time in each micro-batch: the actor's
+  forward and backward, then the critic's (as veRL updates actor and critic in turn). The two
+  share no parameter, so the gradients are those of ``L_clip + c_v L_V`` at once, bit for bit,
+  while only one model's activations (and logits) are alive at a time. Gradient accumulation divides every
   micro-batch by the minibatch's N, so accumulating equals one big minibatch exactly.
 * logp_old is recomputed by the training model at the start of the step (as veRL does), not
   the sampler's log-probs: the sampler may differ numerically (another kernel, vLLM). The gap
@@ -88,6 +92,7 @@ from minirsi.episode import Episode, collate, masked_mean, minibatches, trimmed
 from minirsi.fdr import family_dense_reward
 from minirsi.models import logprobs_from_logits, pad_id_of
 from minirsi.sampler import HFSampler
+from minirsi.scoring import chunked_scores
 from minirsi.spr import success_prioritized_reward
 from minirsi.tb_gae import tb_gae
 
@@ -178,7 +183,13 @@ class RPRConfig:
     same weights sample and score; ``run_rpr`` called directly treats None as 0."""
     forward_chunk: int = 8
     """Sequences per no-grad forward pass (old log-probs, values, reference); the passes take
-    the sequences longest first, each cut to its rows' longest length."""
+    the sequences longest first, each cut to its rows' longest length. At scale 1: one
+    8192-token sequence's activations per pass (``minirsi plan`` counts it)."""
+    logit_chunk: int = 0
+    """Positions per piece of the LM head + log-softmax + entropy (``minirsi.scoring``: no
+    (B, T, V) logits, recomputed per piece in backward); 0: the whole sequence at once, from
+    the model's logits (the CPU presets; their results were made this way). The scale configs
+    set 1024."""
     seed: int = 0
     """Seeds task order, minibatch shuffles and rollouts."""
 
@@ -208,7 +219,7 @@ class RPRConfig:
         if self.drop_uniform_groups and self.samples_per_task < 2:
             raise ValueError("RPRConfig.drop_uniform_groups needs samples_per_task >= 2 (a group of one "
                              "episode is always uniform)")
-        for name in ("steps", "critic_calibration_updates"):
+        for name in ("steps", "critic_calibration_updates", "logit_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RPRConfig.{name}={getattr(self, name)}: must be >= 0")
         for name in ("lr_actor", "lr_critic", "max_grad_norm", "temperature"):
@@ -344,15 +355,18 @@ def whiten(advantages: torch.Tensor, action_mask: torch.Tensor, eps: float = 1e-
 
 def policy_forward(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-    with_entropy: bool = False, entropy_grad: bool = True,
+    with_entropy: bool = False, entropy_grad: bool = True, logit_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs log pi(x_t | x_<t) at ``temperature`` (``models.logprobs_from_logits``,
     in one piece), and optionally entropies.
 
     input_ids, attention_mask: (B, T). Returns (logprobs (B, T), entropy (B, T) or None), both 0
     at position 0. ``entropy_grad=False`` computes the entropy as a metric only (no graph: saves
-    a few (B, T, V) activations).
+    a few (B, T, V) activations). ``logit_chunk`` > 0: the same values from
+    ``scoring.chunked_scores``, ``logit_chunk`` positions at a time, without (B, T, V) logits.
     """
+    if logit_chunk:
+        return chunked_scores(model, input_ids, attention_mask, temperature, logit_chunk, with_entropy, entropy_grad)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
     logprobs = logprobs_from_logits(logits, input_ids, temperature, chunk_size=None)  # (B, T)
     if not with_entropy:
@@ -365,7 +379,8 @@ def policy_forward(
 def _nograd_logprobs(model: nn.Module, batch: dict[str, torch.Tensor], cfg: RPRConfig,
                      ctx: Callable[[], Any] = nullcontext, world: World = SINGLE) -> torch.Tensor:
     with ctx():
-        return world.forward_rows(lambda ids, am: policy_forward(model, ids, am, cfg.temperature)[0],
+        return world.forward_rows(lambda ids, am: policy_forward(model, ids, am, cfg.temperature,
+                                                                 logit_chunk=cfg.logit_chunk)[0],
                                   batch, cfg.forward_chunk)
 
 
@@ -468,21 +483,24 @@ def ppo_update(
             optimizers.actor.zero_grad(set_to_none=True)
             optimizers.critic.zero_grad(set_to_none=True)
             mb_kl, mb_w = 0.0, 0.0
-            for mb in parts:
+            for i, mb in enumerate(parts):
+                world.grad_sync([actor, critic], last=i == len(parts) - 1)  # defer_grad_sync: reduce in the last only
                 m = mb["action_mask"]
                 with (nullcontext() if not stopped else torch.no_grad()):
                     logprobs, entropy = policy_forward(actor, mb["input_ids"], mb["attention_mask"],
                                                        cfg.temperature, with_entropy=True,
-                                                       entropy_grad=cfg.entropy_coef > 0)
+                                                       entropy_grad=cfg.entropy_coef > 0,
+                                                       logit_chunk=cfg.logit_chunk)
                     l_clip, clip_frac = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], m,
                                                     cfg.clip_eps, n_tok, mb.get("is_weights"))
                     l_h = masked_mean(entropy, m, n_tok)
                     l_kl = kl_penalty(logprobs, mb["ref_logprobs"], m, n_tok) if cfg.kl_coef > 0 else l_clip * 0
                     l_actor = l_clip + cfg.kl_coef * l_kl - cfg.entropy_coef * l_h
+                if not stopped:  # the two models in turn: the actor's graph is gone before the critic's exists
+                    l_actor.backward()
                 values = critic(mb["input_ids"], mb["attention_mask"])  # (b, T)
                 l_v = value_loss(values, mb["old_values"], mb["returns"], m, cfg.value_clip, n_tok)
-                total = cfg.value_coef * l_v + (l_actor if not stopped else 0.0)
-                total.backward()
+                (cfg.value_coef * l_v).backward()
                 w = float(m.sum())
                 sums["policy_loss"] += float(l_clip.detach()) * float(n_tok)
                 sums["value_loss"] += float(l_v.detach()) * float(n_tok)

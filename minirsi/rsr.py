@@ -61,6 +61,7 @@ from minirsi.episode import Episode, masked_mean
 from minirsi.models import pad_id_of
 from minirsi.sampler import HFSampler
 from minirsi.sandbox import BACKENDS
+from minirsi.scoring import chunked_scores
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ class RSRConfig:
     """Sequences per SFT optimizer step."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
+    logit_chunk: int = 0
+    """Positions per piece of the LM head and log-softmax in the SFT loss (``minirsi.scoring``:
+    no (B, T, V) logits); 0: the whole sequence at once (the CPU presets)."""
     backend: str = "bwrap"
     """Sandbox backend for replays: bwrap or docker."""
     command_timeout: float = 30.0
@@ -107,6 +111,8 @@ class RSRConfig:
         for name in ("lr", "max_grad_norm", "command_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RSRConfig.{name}={getattr(self, name)}: must be > 0")
+        if self.logit_chunk < 0:
+            raise ValueError(f"RSRConfig.logit_chunk={self.logit_chunk}: use 0 (whole sequence) or a positive chunk")
         if self.planner_temperature < 0:
             raise ValueError(f"RSRConfig.planner_temperature={self.planner_temperature}: must be >= 0 (0 = greedy)")
         if self.backend not in BACKENDS:
@@ -280,10 +286,14 @@ def render_rewrite(tokenizer: Any, task: Any, replay: Replay) -> tuple[list[int]
 
 
 def sft_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-             action_mask: torch.Tensor, normalizer: torch.Tensor | None = None) -> torch.Tensor:
+             action_mask: torch.Tensor, normalizer: torch.Tensor | None = None, logit_chunk: int = 0) -> torch.Tensor:
     """L = -sum_t m_t log pi(x_t | x_<t) / sum_t m_t, all (B, T) inputs; token mean over the
     batch's action tokens (prompt, observation and padding never enter). ``normalizer``
-    replaces sum_t m_t (a sharded step passes N / W, minirsi.distributed)."""
+    replaces sum_t m_t (a sharded step passes N / W, minirsi.distributed). ``logit_chunk`` > 0:
+    the log-probs from ``scoring.chunked_scores`` (the same values, no (B, T, V) logits)."""
+    if logit_chunk:
+        logprobs, _ = chunked_scores(model, input_ids, attention_mask, 1.0, logit_chunk)  # (B, T)
+        return masked_mean(-logprobs[:, 1:], action_mask[:, 1:], normalizer)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, T-1)
     return masked_mean(nll, action_mask[:, 1:], normalizer)
@@ -322,12 +332,12 @@ def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: 
                 act[i, :len(x)] = torch.tensor(m, dtype=torch.float32)
             device = next(model.parameters()).device
             if world.size == 1:
-                loss = sft_loss(model, ids.to(device), att.to(device), act.to(device))
+                loss = sft_loss(model, ids.to(device), att.to(device), act.to(device), logit_chunk=cfg.logit_chunk)
             else:  # this rank's rows, normalised by N / W
                 mine = world.local({"input_ids": ids, "attention_mask": att, "action_mask": act})
                 n = world.normalizer(mine["action_mask"][:, 1:].sum().clamp(min=1))
                 loss = sft_loss(model, *(mine[k].to(device) for k in ("input_ids", "attention_mask", "action_mask")),
-                                normalizer=n)
+                                normalizer=n, logit_chunk=cfg.logit_chunk)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
@@ -377,10 +387,12 @@ def sample_tasks(tasks: Sequence[Any], n: int, seed: int) -> list[Any]:
     return [t for i, t in enumerate(tasks) if i in keep]
 
 
-def make_planner(cfg: RSRConfig, actor: nn.Module, tokenizer: Any, replay_fn: ReplayFn) -> Planner:
+def make_planner(cfg: RSRConfig, actor: nn.Module | None, tokenizer: Any, replay_fn: ReplayFn,
+                 sampler: Any = None) -> Planner:
+    """``cfg.planner``'s planner; the LLM planner samples ``actor`` in-process, or ``sampler``."""
     if cfg.planner == "replay":
         return ReplayMinimiser(replay_fn)
-    return LLMPlanner(actor, tokenizer, cfg.planner_max_new_tokens, cfg.planner_temperature, cfg.seed)
+    return LLMPlanner(actor, tokenizer, cfg.planner_max_new_tokens, cfg.planner_temperature, cfg.seed, sampler=sampler)
 
 
 def run_rsr(
@@ -394,6 +406,7 @@ def run_rsr(
     log_fn: Callable[[dict[str, Any]], None] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     world: World = SINGLE,
+    planner_sampler: Any = None,
 ) -> RSRStats:
     """One RSR stage on ``actor`` (fine-tuned in place). The critic is not an argument: RSR
     cannot touch it.
@@ -406,6 +419,9 @@ def run_rsr(
         world: a sharded run (minirsi.distributed): rank 0 samples (``rollout_fn`` is then
             ``world.rollout_fn(...)``), rewrites and replays with an unsharded copy of the actor,
             every rank gets the SFT examples and trains on its share of each batch.
+        planner_sampler: where the default LLM planner samples (inference servers holding the
+            actor's weights); then no unsharded copy is gathered for it. Every rank passes one
+            or none alike (the gather is a collective).
     """
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -425,8 +441,10 @@ def run_rsr(
     was_training = actor.training
     actor.eval()
     episodes = rollout_fn(actor, tasks, cfg.seed)
-    plain = world.unsharded(actor)  # the LLM planner samples from rank 0's plain copy
-    stats, examples = world.on_main(lambda: _rewrite(episodes, planner or make_planner(cfg, plain, tokenizer, replay),
+    # the LLM planner samples from rank 0's plain copy, or on the servers
+    plain = world.unsharded(actor) if planner_sampler is None else None
+    stats, examples = world.on_main(lambda: _rewrite(episodes, planner or make_planner(cfg, plain, tokenizer, replay,
+                                                                                       planner_sampler),
                                                      replay, by_id, tokenizer, cfg))
     actor.train(was_training)
     stats.sft_examples = len(examples)

@@ -6,7 +6,7 @@
     RUN_DIR/config.yaml         the full RunConfig (a resumed run must match it)
     RUN_DIR/calibration.json    FDR/SPR scales D_f, computed once from the train suite, frozen
     RUN_DIR/tasks/<suite>/      the generated toy suites (deterministic in suites.seed)
-    RUN_DIR/stages/NN-name/     actor/, critic/, optimizer.pt, rng.pt, metrics.jsonl,
+    RUN_DIR/stages/NN-name/     actor/, critic/, optimizer.pt (sharded: optimizer/), rng.pt, metrics.jsonl,
                                 episodes*.jsonl, eval/<suite>.jsonl, eval.json, DONE.json
     RUN_DIR/metrics.jsonl       every update of every stage: {"stage", "step", metric: value}
     RUN_DIR/tb/                 the same metrics for TensorBoard (offline)
@@ -300,8 +300,9 @@ def run_stages(cfg: RunConfig, run_dir: str | Path, stages: Sequence[StageSpec],
             current = spec.dirname
             if run_.done(spec) is None:
                 _train_stage(cfg, run_, runner, stages, spec, writer)
-            if spec.evaluate and run_.eval_done(spec) is None:  # rank 0 evaluates, the others wait
-                _on_main(world, lambda: (_eval_stage(cfg, run_, runner, spec), write_results(run_, stages)))
+            if spec.evaluate and run_.eval_done(spec) is None:  # every rank (a sharded evaluation), rank 0 writes
+                _eval_stage(cfg, run_, runner, spec)
+                _on_main(world, lambda: write_results(run_, stages))
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise RunError(
@@ -319,19 +320,9 @@ def run_stages(cfg: RunConfig, run_dir: str | Path, stages: Sequence[StageSpec],
 
 def _on_main(world: distributed.World, fn: Callable[[], Any]) -> Any:
     """``fn()`` on rank 0 (every rank at world size 1), its result or its exception on every
-    rank: a ConfigError on rank 0 stops all ranks instead of leaving them at a barrier."""
-    if world.size == 1:
-        return fn()
-    outcome: tuple[bool, Any] = (True, None)
-    if world.is_main:
-        try:
-            outcome = (True, fn())
-        except Exception as e:  # handed to every rank, raised there below
-            outcome = (False, e)
-    ok, value = world.broadcast(outcome)
-    if not ok:
-        raise value
-    return value
+    rank: a ConfigError on rank 0 stops all ranks instead of leaving them at a barrier
+    (``World.on_main``)."""
+    return world.on_main(fn)
 
 
 def _failure(run_: RunDir, where: str, e: BaseException) -> str:
@@ -350,6 +341,8 @@ def _prepare_dir(cfg: RunConfig, run_: RunDir, resume: bool) -> None:
         saved = to_dict(load_config(type(cfg), run_.config))
         added = [k for k in ADDABLE_BRANCHES if not _get(saved, k) and _get(now, k)]
         diff = [d for d in config_diff(saved, now) if d.split(":")[0] not in added]
+        if saved["serving"]["servers"] and now["serving"]["servers"]:  # this job's servers: new URLs in every
+            diff = [d for d in diff if not d.startswith("serving.servers:")]  # SLURM job, the same computation
         if diff:
             raise ConfigError(
                 f"--resume {run_.root}: the config differs from the one the run started with:\n  "
@@ -439,12 +432,19 @@ def _train_stage(cfg: RunConfig, run_: RunDir, runner: Runner, stages: Sequence[
 
 
 def _eval_stage(cfg: RunConfig, run_: RunDir, runner: Runner, spec: StageSpec) -> None:
+    """Every rank calls ``runner.evaluate`` (it may load the actor sharded); rank 0 alone writes
+    the stage's eval/ and eval.json, the others' episode files go to a scratch directory."""
     d = run_.stage(spec)
     out = d / "eval"
+    world = distributed.current()
+    seed_everything(stage_seed(cfg.seed, f"eval:{spec.name}"))
+    if not world.is_main:
+        with tempfile.TemporaryDirectory(prefix=f"minirsi-rank{world.rank}-eval-") as scratch:
+            runner.evaluate(cfg, run_, spec, d / "actor", Path(scratch))
+        return
     if out.exists():
         shutil.rmtree(out)
     out.mkdir()
-    seed_everything(stage_seed(cfg.seed, f"eval:{spec.name}"))
     t0 = time.time()
     results = runner.evaluate(cfg, run_, spec, d / "actor", out)
     atomic_write_json(d / "eval.json", {"results": results, "wall_s": round(time.time() - t0, 2)})

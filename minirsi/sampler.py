@@ -494,6 +494,11 @@ class ServerDown(OpenAISamplerError):
 
 
 _TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
+FULL_DISTRIBUTION = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                     "frequency_penalty": 0.0}
+"""Every sampling field vLLM would otherwise take from the model's generation_config.json
+(Qwen3's: top_k 20, top_p 0.95), at the value that leaves softmax(z / tau) whole: the
+distribution the trainer scores (``OpenAISampler``)."""
 ON_SERVER_FAILURE = ("fail", "retry")
 
 
@@ -514,6 +519,16 @@ class OpenAISampler:
     for servers without the first). ``logprobs=0`` returns the sampled token's log-prob only.
     Start vLLM with ``--logprobs-mode processed_logprobs`` so its log-probs are those of the
     tempered distribution, as ``HFSampler`` returns (the module docstring).
+
+    Every sampling field is sent (``FULL_DISTRIBUTION``): vLLM fills a field a request leaves
+    out from the model's generation_config.json (``CompletionRequest.to_sampling_params``,
+    vLLM 0.11 and 0.33; ``scale/serving/vllm_recorded.json`` lists the fields), so Qwen3 would
+    sample top-20 and return log-probs of that truncated distribution while PPO scores the full
+    softmax. ``ignore_eos`` keeps vLLM from adding generation_config.json's eos ids to the
+    stop ids (``SamplingParams.update_from_generation_config``): a reply ends at
+    ``stop_token_ids`` or ``max_new_tokens``, as in ``HFSampler``. (``scale/serve_vllm.sh``
+    also starts vLLM with ``--generation-config vllm``, which drops the sampling defaults but
+    not the eos ids.)
 
     Several servers. A ``generate`` call splits its prompts over the servers and sends one
     request to each, concurrently. A prompt that extends a context this sampler produced
@@ -697,11 +712,11 @@ class OpenAISampler:
             "prompt": [list(map(int, p)) for p in prompts],
             "max_tokens": max_new_tokens,
             "temperature": temperature,
-            "top_p": 1.0,
+            **FULL_DISTRIBUTION,
             "n": 1,
             "logprobs": 0,
             "stop_token_ids": list(stop_token_ids),
-            "ignore_eos": False,
+            "ignore_eos": True,  # stop at stop_token_ids only, not also at generation_config.json's eos ids
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
             "return_tokens_as_token_ids": True,

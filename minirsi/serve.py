@@ -5,9 +5,11 @@ rollout engine talks to this server on a laptop exactly as it talks to ``vllm se
 node, and the tests can check the client against a real HTTP round trip:
 
 * request: ``model``, ``prompt`` (a string, a list of token ids, or a list of such lists),
-  ``max_tokens``, ``temperature``, ``seed``, ``stop_token_ids``, ``logprobs`` (any integer
-  returns the sampled token's log-prob; top alternatives are not computed), and vLLM's
-  ``return_token_ids`` / ``return_tokens_as_token_ids``.
+  ``max_tokens``, ``temperature``, ``seed``, ``stop_token_ids``, ``ignore_eos``, ``logprobs``
+  (any integer returns the sampled token's log-prob; top alternatives are not computed), and
+  vLLM's ``return_token_ids`` / ``return_tokens_as_token_ids``. The other sampling fields
+  (``top_p``, ``top_k``, ``min_p``, the penalties) are accepted at their neutral values only
+  (the full distribution, as HFSampler samples it); any other value is a 400.
 * response: one choice per prompt with ``text``, ``finish_reason`` ("stop" | "length"),
   ``stop_reason`` (the stop id, or null), ``logprobs`` {``tokens``, ``token_logprobs``,
   ``top_logprobs``, ``text_offset``}, and with ``return_token_ids`` also ``token_ids`` and
@@ -25,10 +27,11 @@ extension (``scale/serving/vllm_worker_ext.py``) and ``VLLM_SERVER_DEV_MODE=1`` 
 trainer's side of the protocol is tested here without a GPU. Each waits for the generation in
 progress (the lock) and answers only when done:
 
-* ``POST /collective_rpc`` {"method": "reload_weights", "args": [dir]}: load the safetensors
-  that ``weight_sync.write_full_weights`` wrote (every parameter, strictly: a missing or extra
-  name is a 400 naming it); also clears the prefix cache.
-* ``POST /reset_prefix_cache``: drop the kept KV caches (they belong to the old weights).
+* ``POST /collective_rpc`` {"method": "minirsi_load_weights", "args": [dir]}: load the
+  safetensors that ``weight_sync.write_full_weights`` wrote (every parameter, strictly: a
+  missing or extra name is a 400 naming it); also clears the prefix cache.
+* ``POST /reset_prefix_cache``: drop the kept KV caches (they belong to the old weights);
+  answers ``{"success": true}`` as vLLM 0.33 does.
 * ``POST /v1/load_lora_adapter`` {"lora_name", "lora_path"} and ``/v1/unload_lora_adapter``
   {"lora_name"} (with ``--enable-lora``): a peft adapter directory; a request whose ``model`` is
   the adapter's name samples with it, the served name samples the base model, any other name
@@ -60,9 +63,15 @@ import torch
 
 from minirsi.models import token_logprobs
 from minirsi.sampler import FINISH_STOP, HFSampler
-from minirsi.weight_sync import read_full_weights
+from minirsi.weight_sync import RELOAD_METHOD, read_full_weights
 
 logger = logging.getLogger(__name__)
+
+
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+"""Sampling fields whose only accepted value is the one that leaves the distribution whole
+(``top_k`` 0 means the same as -1 in vLLM)."""
 
 
 class RequestError(ValueError):
@@ -109,6 +118,9 @@ class CompletionServer(ThreadingHTTPServer):
             raise RequestError(f"n={n}: this server returns one completion per prompt; send n=1")
         if body.get("stream"):
             raise RequestError("stream=true is not supported; send stream=false")
+        for key, neutral in NEUTRAL_SAMPLING.items():
+            if body.get(key) is not None and body[key] != neutral and not (key == "top_k" and body[key] == 0):
+                raise RequestError(f"{key}={body[key]!r}: this server samples the full distribution; send {neutral}")
         stop_ids = [int(t) for t in body.get("stop_token_ids") or []]
         if not body.get("ignore_eos", False):
             stop_ids += self.eos_ids
@@ -186,24 +198,24 @@ class CompletionServer(ThreadingHTTPServer):
             model.train(was_training)
 
     def collective_rpc(self, body: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's dev-mode ``/collective_rpc``: only the worker extension's ``reload_weights``."""
+        """vLLM's dev-mode ``/collective_rpc``: only the worker extension's ``minirsi_load_weights``."""
         method, args = body.get("method"), body.get("args") or []
-        if method != "reload_weights" or len(args) != 1 or not isinstance(args[0], str):
+        if method != RELOAD_METHOD or len(args) != 1 or not isinstance(args[0], str):
             raise RequestError(f"collective_rpc method={method!r} args={args!r}: this server implements only "
-                               "'reload_weights' with one argument, the directory to load")
+                               f"{RELOAD_METHOD!r} with one argument, the directory to load")
         with self.lock:
             model = self.sampler.model
             if hasattr(model, "peft_config"):
-                raise RequestError("reload_weights with LoRA adapters loaded: sync LoRA servers with "
+                raise RequestError(f"{RELOAD_METHOD} with LoRA adapters loaded: sync LoRA servers with "
                                    "/v1/load_lora_adapter, or restart the server without --enable-lora")
             try:
                 state = read_full_weights(args[0])
             except (OSError, ValueError) as e:
-                raise RequestError(f"reload_weights {args[0]}: {e}") from None
+                raise RequestError(f"{RELOAD_METHOD} {args[0]}: {e}") from None
             missing = sorted(set(model.state_dict()) - set(state))
             extra = sorted(set(state) - set(model.state_dict()))
             if missing or extra:
-                raise RequestError(f"reload_weights {args[0]}: missing {missing[:5]}, unexpected {extra[:5]}: "
+                raise RequestError(f"{RELOAD_METHOD} {args[0]}: missing {missing[:5]}, unexpected {extra[:5]}: "
                                    "not this model's parameters")
             model.load_state_dict(state, strict=True)
             self.sampler.clear_cache()
@@ -211,9 +223,10 @@ class CompletionServer(ThreadingHTTPServer):
         logger.info("reloaded weights from %s (reload %d)", args[0], self.reloads)
         return {"results": [{"reloaded": args[0], "reloads": self.reloads}]}
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> dict[str, bool]:
         with self.lock:
             self.sampler.clear_cache()
+        return {"success": True}
 
     def load_lora_adapter(self, body: dict[str, Any]) -> str:
         name, path = body.get("lora_name"), body.get("lora_path")

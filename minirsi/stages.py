@@ -29,10 +29,10 @@ import torch
 
 from minirsi import distributed, fdr, rollout, rsr
 from minirsi.config import ConfigError, to_dict
-from minirsi.critic import build_critic, critic_skeleton, load_critic, load_critic_sharded, save_critic, warmup_critic
+from minirsi.critic import build_critic, load_critic, load_critic_sharded, save_critic, warmup_critic
 from minirsi.episode import JsonlWriter
 from minirsi.evaluate import evaluate, generate_toy_suites, load_suites
-from minirsi.models import load_actor, load_actor_sharded, load_tokenizer, pad_id_of, save_actor
+from minirsi.models import load_actor, load_actor_sharded, pad_id_of, save_actor
 from minirsi.pretrain import PretrainConfig, config_hash, pretrain
 from minirsi.rpr import make_optimizers, make_rollout_fn, run_rpr, score
 from minirsi.rundir import RunDir, StageInputs, StageSpec, stage_seed
@@ -139,6 +139,17 @@ class RecipeRunner:
 
     def __init__(self) -> None:
         self._tasks: dict[str, list[Any]] = {}
+        self._sync: Any = None
+
+    def _servers(self, cfg: RunConfig, run_: RunDir) -> Any:
+        """The run's ``WeightSync`` over ``serving.servers`` (None without servers), one for the
+        whole run so weight versions count up across stages. Built on every rank (no request is
+        sent until rank 0 pushes), so every rank takes the same branches; rank 0 alone uses it."""
+        if not cfg.serving.servers:
+            return None
+        if self._sync is None:
+            self._sync = serving_sync(cfg.serving, run_.root / "weights")
+        return self._sync
 
     # -- tasks and calibration --------------------------------------------------------------
 
@@ -210,17 +221,23 @@ class RecipeRunner:
     def _rsr(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
              log: Callable[[int, dict], None]) -> dict:
         world = distributed.current()
-        actor, tok = self._actor(cfg, inputs.actor)
+        sync = self._servers(cfg, run_)
+        actor, tok = self._actor(cfg, inputs.actor, keep_unsharded=sync is None)
         stage_cfg = dataclasses.replace(getattr(cfg, spec.config_key), seed=stage_seed(cfg.seed, spec.name))
         optimizer = rsr.make_optimizer(actor, stage_cfg)
+        planner_sampler = None
+        if sync is not None:  # the servers sample the rollouts and the LLM planner, on this stage's actor
+            log(0, {"phase": "sync", **sharded_push(world, sync)(actor)})
+            planner_sampler = sync.sampler
         with JsonlWriter(out / "episodes.jsonl") as writer:
             stats = rsr.run_rsr(actor, tok, self.tasks(cfg, run_, "train"), stage_cfg,
-                                world.rollout_fn(_recording(self._rollout_fn(cfg, tok), writer)),
-                                log_fn=lambda rec: log(0, rec), optimizer=optimizer, world=world)
+                                world.rollout_fn(_recording(self._rollout_fn(cfg, tok, sync=sync), writer),
+                                                 gather=sync is None),
+                                log_fn=lambda rec: log(0, rec), optimizer=optimizer, world=world,
+                                planner_sampler=planner_sampler)
         self._save_actor(cfg, actor, tok, out)
-        state = world.optimizer_state(actor, optimizer)
-        if world.is_main:
-            torch.save({"actor": state}, out / "optimizer.pt")
+        world.save_optimizers(run_.stage(spec), {"actor": (actor, optimizer)})
+        world.release(actor)
         out_stats = stats.to_dict()
         (out / "rewrites.json").write_text(json.dumps(out_stats.pop("kept"), indent=1) + "\n")
         return out_stats
@@ -232,11 +249,12 @@ class RecipeRunner:
         return make_rollout_fn(tok, rcfg, None if sync is None else (lambda model, tok_: sync.sampler))
 
     @staticmethod
-    def _actor(cfg: RunConfig, path: Path | None) -> tuple[Any, Any]:
+    def _actor(cfg: RunConfig, path: Path | None, keep_unsharded: bool = True) -> tuple[Any, Any]:
         """The stage's actor: loaded, with fresh LoRA adapters when ``lora.enabled``, sharded
-        over the ranks (minirsi.distributed; unchanged in one process)."""
+        over the ranks (minirsi.distributed; unchanged in one process); rank 0 keeps an
+        unsharded copy only when it samples in-process (``keep_unsharded``)."""
         return load_actor_sharded(path, distributed.current(), lora=cfg.lora if cfg.lora.enabled else None,
-                                  device=cfg.device)
+                                  device=cfg.device, keep_unsharded=keep_unsharded)
 
     @staticmethod
     def _save_actor(cfg: RunConfig, actor: Any, tok: Any, out: Path) -> None:
@@ -251,22 +269,35 @@ class RecipeRunner:
     def _warmup(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
                 log: Callable[[int, dict], None]) -> dict:
         world = distributed.current()
-        # the frozen RSR-1 actor samples on rank 0; the other ranks need only its tokenizer
-        actor, tok = load_actor(inputs.actor, device=cfg.device) if world.is_main else (None, load_tokenizer(inputs.actor))
-        if actor is not None:
-            actor.eval().requires_grad_(False)
         seed = stage_seed(cfg.seed, spec.name)
         pool = rsr.sample_tasks(self.tasks(cfg, run_, "train"), cfg.warmup.tasks, seed)
         tasks = [t for t in pool for _ in range(cfg.warmup.samples_per_task)]
-        episodes = world.on_main(lambda: rollout.collect(tasks, HFSampler(actor, tok), tok,
-                                                         dataclasses.replace(cfg.rollout, seed=seed), out / "episodes.jsonl"))
+        rcfg = dataclasses.replace(cfg.rollout, seed=seed)
+        sync = self._servers(cfg, run_)
+        if world.size == 1 and sync is None:  # one process: the frozen actor samples in-process (the CPU presets)
+            actor, tok = load_actor(inputs.actor, device=cfg.device)
+            actor.eval().requires_grad_(False)
+            episodes = rollout.collect(tasks, HFSampler(actor, tok), tok, rcfg, out / "episodes.jsonl")
+            critic = build_critic(actor).to(cfg.device)
+            del actor
+        else:
+            # The frozen RSR-1 actor, sharded like every other model (no rank holds it whole on a
+            # device): the servers get its weights, or rank 0 samples from its unsharded host copy.
+            actor, tok = load_actor_sharded(inputs.actor, world, device=cfg.device, keep_unsharded=sync is None,
+                                            frozen=True)
+            if sync is not None:
+                log(0, {"phase": "sync", **sharded_push(world, sync)(actor)})
+            sample = lambda model, _tasks, _seed: rollout.collect(  # noqa: E731
+                tasks, sync.sampler if sync is not None else HFSampler(model, tok), tok, rcfg, out / "episodes.jsonl")
+            episodes = world.rollout_fn(sample, gather=sync is None)(actor, tasks, seed)
+            world.release(actor)
+            del actor
+            critic = load_critic_sharded(inputs.actor, world)  # built from the checkpoint, on rank 0's host
         usable = [e for e in episodes if any(e.action_mask)]
         if not usable:
             raise RuntimeError("warm-up: no rollout produced an action; check the sandbox (minirsi task check)")
         rewards = score(usable, cfg.warmup.reward, self.scales(run_))
         # every critic parameter trains; the actor stays frozen
-        critic = world.load_sharded(lambda: build_critic(actor).to(cfg.device), lambda: critic_skeleton(inputs.actor),
-                                    keep_unsharded=False)
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.warmup.lr_critic, weight_decay=0.0)
         wcfg = dataclasses.replace(cfg.warmup, seed=seed)
         evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=pad_id_of(tok),
@@ -276,9 +307,8 @@ class RecipeRunner:
             log(i, {"phase": "warmup", "explained_variance": ev, "reward": sum(rewards) / len(rewards),
                     "binary_reward": binary})
         world.save(critic, lambda plain: save_critic(plain, out / "critic"))
-        state = world.optimizer_state(critic, optimizer)
-        if world.is_main:
-            torch.save({"critic": state}, out / "optimizer.pt")
+        world.save_optimizers(run_.stage(spec), {"critic": (critic, optimizer)})
+        world.release(critic)
         return {"episodes": len(usable), "updates": len(evs), "ev_first": evs[0] if evs else None,
                 "ev_last": evs[-1] if evs else None, "binary_reward": binary}
 
@@ -305,13 +335,12 @@ class RecipeRunner:
         if world.size > 1 and stage_cfg.kl_coef > 0 and not cfg.lora.enabled:  # a sharded frozen copy
             ref_model, _ = load_actor_sharded(inputs.actor, world, keep_unsharded=False, frozen=True)
         optimizers = make_optimizers(actor, critic, stage_cfg)
-        if inputs.optimizer is not None and inputs.optimizer.is_file():
-            state = torch.load(inputs.optimizer, weights_only=False)
-            world.load_optimizer_state(actor, optimizers.actor, state["actor"])
-            world.load_optimizer_state(critic, optimizers.critic, state["critic"])
+        named = {"actor": (actor, optimizers.actor), "critic": (critic, optimizers.critic)}
+        if inputs.optimizer is not None:  # a continuation: its source's optimizer.pt or optimizer/ (any world size)
+            world.load_optimizers(inputs.optimizer.parent, named)
         # rank 0 talks to the servers; a sharded actor is gathered for each push (sharded_push)
-        sync = serving_sync(cfg.serving, run_.root / "weights") if cfg.serving.servers and world.is_main else None
-        push = sharded_push(world, sync) if cfg.serving.servers else None
+        sync = self._servers(cfg, run_)
+        push = sharded_push(world, sync) if sync is not None else None
         if push is not None:
             log(offset, {"phase": "sync", **push(actor)})  # the servers start from this stage's actor
         with JsonlWriter(out / "episodes.jsonl") as writer:
@@ -322,10 +351,8 @@ class RecipeRunner:
                               ref_model=ref_model, optimizers=optimizers, after_actor_update=push, world=world)
         self._save_actor(cfg, actor, tok, out)
         world.save(critic, lambda plain: save_critic(plain, out / "critic"))
-        state = {"actor": world.optimizer_state(actor, optimizers.actor),
-                 "critic": world.optimizer_state(critic, optimizers.critic)}
-        if world.is_main:
-            torch.save(state, out / "optimizer.pt")
+        world.save_optimizers(run_.stage(spec), named)
+        world.release(actor, critic, *([ref_model] if ref_model is not None else []))
         joint = [h for h in history if h.get("phase") == "joint"] or history
         last = joint[-min(3, len(joint)):]
         return {"steps": len(history), "final_binary_reward": _avg(h["binary_reward"] for h in last),
@@ -333,12 +360,28 @@ class RecipeRunner:
                 "final_explained_variance": _avg(h["explained_variance"] for h in last)}
 
     def evaluate(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, actor_dir: Path, out: Path) -> dict:
-        actor, tok = load_actor(actor_dir, device=cfg.device)
+        """Mean@k of ``actor_dir`` on ``eval.suites``; every rank calls it. In one process without
+        servers, the actor samples in this process (the CPU presets). Otherwise the actor is
+        loaded sharded like a training stage's: pushed to the servers, which sample, or rank 0
+        samples from its unsharded host copy; no rank holds the model whole on a device."""
+        world, sync = distributed.current(), self._servers(cfg, run_)
         suites = {s: self.tasks(cfg, run_, s) for s in cfg.eval.suites}
         # Every stage is scored with the same seed: common random numbers, so the differences
         # between stages come from the policies rather than from the dice.
-        return evaluate(actor, tok, suites, k=cfg.eval.k, rollout_cfg=cfg.eval.rollout, out_dir=out,
-                        seed=stage_seed(cfg.seed, "eval"))
+        run_eval = lambda actor, tok, sampler=None: evaluate(  # noqa: E731
+            actor, tok, suites, k=cfg.eval.k, rollout_cfg=cfg.eval.rollout, out_dir=out,
+            seed=stage_seed(cfg.seed, "eval"), sampler=sampler)
+        if world.size == 1 and sync is None:
+            return run_eval(*load_actor(actor_dir, device=cfg.device))
+        actor, tok = load_actor_sharded(actor_dir, world, device=cfg.device, keep_unsharded=sync is None, frozen=True)
+        try:
+            if sync is not None:
+                sharded_push(world, sync)(actor)
+                return world.on_main(lambda: run_eval(None, tok, sync.sampler))
+            plain = world.unsharded(actor)
+            return world.on_main(lambda: run_eval(plain, tok))
+        finally:
+            world.release(actor)
 
 
 def _recording(rollout_fn: Callable, writer: Any) -> Callable:

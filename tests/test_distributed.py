@@ -95,6 +95,70 @@ def test_two_process_updates_equal_one_process(tmp_path, lora):
         assert max_abs_diff(saved, {k: v for k, v in one.items() if k in saved}) == 0.0  # 1 process
 
 
+@pytest.mark.slow
+def test_scale_path_on_two_ranks(tmp_path):
+    """tests/dist_scale.py on 2 gloo ranks: activation checkpointing from the run config under
+    torchrun, fp32 heads over bf16 layers, deferred gradient sync, a sharded optimizer
+    checkpoint resumed identically; then the checkpoint read back in one process."""
+    out = tmp_path / "scale.json"
+    proc = torchrun("tests/dist_scale.py", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2
+    # torchrun sets no FSDP variable: the config turned checkpointing on, on every decoder layer
+    assert r["ckpt_from_config"] == 1.0 and r["wrapped_layers"] == 2
+    assert r["checkpointed_vs_not"] <= TOL  # a PPO update with the layers recomputed in backward: the same
+    assert r["conflict_refused"] == 1.0 and "scale.activation_checkpointing=true" in r["conflict_message"]
+    for name in ("untied", "tied", "critic"):  # fp32 weights in, fp32 logits (values) out, bf16 layers
+        h = r[f"heads_{name}"]
+        assert h["layer"] == "torch.bfloat16", name
+        assert (h["head0"]["weight"], h["head0"]["input"], h["head0"]["output"]) == ("torch.float32",) * 3, name
+        assert h["head0"]["fp32_matmul"] == 0.0, name
+    # deferred sync: nothing reduced after the first micro-batch, every gradient after the last
+    assert r["grads_after_first_micro_batch"] == 0.0 and r["grads_after_last_micro_batch"] > 0
+    assert r["deferred_vs_every_micro_batch"] <= TOL and r["update_moved"] > 100 * TOL
+    # the optimizer: one shard file per rank (nothing gathered), resumed bit for bit
+    assert r["optimizer_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"] and r["optimizer_pt"] == 0.0
+    assert r["optimizer_loaded"] == 1.0 and r["optimizer_state_diff"] == 0.0
+    assert r["resumed_update_diff"] == 0.0 and r["resumed_update_moved"] > 1e-4
+    # one process reads the sharded checkpoint (DCP reshards): the gathered state, by name
+    from minirsi.rpr import RPRConfig, make_optimizers
+    from tiny import tiny_qwen
+
+    saved = torch.load(out.with_suffix(".optim.pt"), weights_only=False)
+    actor = tiny_qwen(seed=1)
+    actor.load_state_dict(saved["actor_weights"], strict=False)
+    opt = make_optimizers(actor, torch.nn.Linear(1, 1), RPRConfig()).actor
+    assert SINGLE.load_optimizers(tmp_path / "stage", {"actor": (actor, opt)})
+    names = [n for n, p in actor.named_parameters() if p.requires_grad]
+    one = opt.state_dict()["state"]
+    want = saved["actor"]["state"]
+    assert max(float((one[i][k] - want[n][k]).abs().max()) for i, n in enumerate(names)
+               for k in ("exp_avg", "exp_avg_sq", "step")) == 0.0
+
+
+@pytest.mark.slow
+def test_warmup_and_evaluation_are_sharded_on_two_ranks(tmp_path):
+    """tests/dist_stages.py: the warm-up and the evaluation on 2 gloo ranks load the actor and
+    the critic sharded (no rank loads a whole model with the one-process loader; the critic
+    trains as 1/2 shards), sample on rank 0 only: from its unsharded host copy without servers,
+    on the servers with them (after a push of the gathered weights), and keep no copy after."""
+    root = _checkpoints(tmp_path / "ckpt")
+    out = tmp_path / "stages.json"
+    proc = torchrun("tests/dist_stages.py", str(root), str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and r["one_process_loads"] == 0
+    assert r["shares"]["warmup_critic"] == [0.5, 0.5]  # every rank holds half of the critic it trains
+    in_process, served = r["collect"][:2], r["collect"][2:]  # warm-up then evaluation, per setting
+    assert all(c["rank"] == 0 and c["sampler"] == "HFSampler" and c["model_share"] == 1.0 for c in in_process)
+    assert all(c["rank"] == 0 and c["sampler"] == "SimpleNamespace" and c["model_share"] is None for c in served)
+    assert [p["rank"] for p in r["pushed"]] == [0, 0] and all(p["model_share"] == 1.0 for p in r["pushed"])
+    assert r["eval_0"] == r["eval_1"] == 4
+    for k in ("warmup_kept_0", "eval_kept_0", "warmup_kept_1", "eval_kept_1"):
+        assert r[k] == 0.0, k  # the stage's copies and skeletons are released at its end
+
+
 def _checkpoints(root: Path) -> Path:
     """A saved tiny actor (with a ChatML tokenizer) and a saved critic with a non-zero head."""
     from minirsi.critic import build_critic, save_critic
@@ -203,7 +267,7 @@ def _check_run(run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
     assert all((d / "DONE.json").is_file() for d in stages)
     load_actor(run_dir / "stages/05-rpr2/actor")  # gathered save_pretrained dirs: one process reads them
     load_critic(run_dir / "stages/05-rpr2/critic")  # (checks the critic's fingerprint)
-    assert "optimizer.pt" in {p.name for p in (run_dir / "stages/03-rpr1").iterdir()}
+    assert {"optimizer.pt", "optimizer"} & {p.name for p in (run_dir / "stages/03-rpr1").iterdir()}
     return results
 
 
@@ -217,8 +281,13 @@ def test_torchrun_two_processes_run_the_smoke_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_run(out, ("06-direct_ppo", "07-rpr1_cont"))
     assert proc.stdout.count("run dir:") == 1  # rank 0 alone reports
-    state = torch.load(out / "stages/03-rpr1/optimizer.pt", weights_only=False)
-    assert all(isinstance(k, str) for k in state["actor"]["state"])  # gathered, keyed by parameter name
+    # the smoke preset's scale section turns activation checkpointing on under torchrun
+    assert "FSDP2 over 2 ranks (gloo, cpu), activation checkpointing on" in proc.stderr
+    # optimizer states: sharded checkpoints (one file per rank), none gathered to rank 0
+    for stage in ("01-rsr1", "02-warmup", "03-rpr1", "07-rpr1_cont"):
+        files = sorted(p.name for p in (out / "stages" / stage / "optimizer").iterdir())
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], (stage, files)
+        assert not (out / "stages" / stage / "optimizer.pt").exists()
 
 
 def _descendants(pid: int) -> list[int]:
@@ -340,7 +409,7 @@ def test_torchrun_rpr_pushes_the_gathered_actor_to_servers(procs, tmp_path):
     out = tmp_path / "run"
     proc = minirsi_run([
         "run", "--out", str(out), "--no-report", f"base.model={tmp_path / 'base'}",
-        f"serving.servers=[{a.url},{b.url}]", "serving.verify_tol=1e-4",
+        f"serving.servers=[{a.url},{b.url}]", "serving.verify_tol=1e-4", "serving.sync_dtype=float32",
         "suites.train=4", "suites.core=1", "suites.hard=1", "suites.long=1", "suites.unseen=1",
         "rollout.max_turns=2", "rollout.max_new_tokens=16", "rollout.command_timeout=5",
         "rsr1.samples_per_task=1", "rsr2.samples_per_task=1", "baselines.direct_ppo=false",
@@ -354,6 +423,9 @@ def test_torchrun_rpr_pushes_the_gathered_actor_to_servers(procs, tmp_path):
     for stage, joint in (("rpr1", 2), ("rpr2", 1)):
         syncs = [r for r in recs if r["stage"] == stage and "sync_s" in r]
         assert len(syncs) == joint + 1 and all(r["sync_max_gap"] <= 1e-4 and r["sync_servers"] == 2 for r in syncs)
+    for stage in ("rsr1", "warmup", "rsr2"):  # sharded, each stage pushes its actor and samples on the servers
+        assert len([r for r in recs if r["stage"] == stage and "sync_s" in r]) == 1, stage
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["v000008", "v000009"]  # + base's evaluation
     final, _ = load_actor(out / "stages/05-rpr2/actor")
     ids = _probe(tok)
     for p in (a, b):

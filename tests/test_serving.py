@@ -26,7 +26,8 @@ from minirsi.models import LoraSettings, attach_lora, build_tiny_actor, build_to
 from minirsi.rollout import collect
 from minirsi.sampler import HFSampler, OpenAISampler, ServerDown
 from minirsi.serve import CompletionServer, start_in_thread
-from minirsi.weight_sync import WeightSync, WeightSyncError, server_prompt_logprobs, write_full_weights
+from minirsi.weight_sync import (RELOAD_METHOD, WeightSync, WeightSyncError, read_full_weights,
+                                 server_prompt_logprobs, write_full_weights)
 from test_rollout import Sandboxes, cfg, fake_verify, model, tasks, tok  # noqa: F401  (model, tok: fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,7 +247,7 @@ def test_a_server_that_cannot_reload_stops_the_sync_naming_it(servers, model, to
 
 def test_verify_catches_a_server_that_answers_the_reload_but_keeps_old_weights(servers, model, tok, tmp_path):
     a, b = servers(2)
-    b.collective_rpc = lambda body: {"results": [None]}  # says yes, loads nothing
+    b.collective_rpc = lambda body: {"results": [{"tensors": 0}]}  # says yes, loads nothing
     actor = copy.deepcopy(model)
     _perturb(actor.parameters(), seed=9)
     sync = WeightSync(OpenAISampler([a.url, b.url], "policy"), tmp_path / "w", verify_tol=TOL, probe_ids=_probe(tok))
@@ -305,6 +306,8 @@ def test_vllm_worker_extension_reloads_through_a_fake_engine(model, tok, tmp_pat
     assert "vllm" not in sys.modules  # importing it needs no vllm
 
     class FakeWorker(mod.MinirsiWorkerExtension):  # what --worker-extension-cls does to vLLM's Worker
+        minirsi_tp_group = SimpleNamespace(world_size=1, rank_in_group=0, device="cpu")
+
         def __init__(self):
             self.model_runner = SimpleNamespace(model=_FakeVllmModel(copy.deepcopy(model)))
 
@@ -317,18 +320,142 @@ def test_vllm_worker_extension_reloads_through_a_fake_engine(model, tok, tmp_pat
     engine = FakeEngine()
     trained = copy.deepcopy(model)
     _perturb(trained.parameters(), seed=5)
-    write_full_weights(trained.state_dict(), tmp_path / "v1")
-    results = engine.collective_rpc("reload_weights", (str(tmp_path / "v1"),))
+    nbytes = write_full_weights(trained.state_dict(), tmp_path / "v1", torch.bfloat16, shard_bytes=60_000)
+    assert len(list((tmp_path / "v1").glob("*.safetensors"))) > 2  # several shards and an index
+    results = engine.collective_rpc(RELOAD_METHOD, (str(tmp_path / "v1"),))
     n = len(dict(model.named_parameters()))  # tied embeddings once, as written
-    assert results == [{"tensors": n, "loaded": n}] * 2
-    for w in engine.workers:
-        assert all(torch.equal(p, q) for p, q in zip(w.model_runner.model.inner.parameters(), trained.parameters()))
+    assert [{k: r[k] for k in ("tensors", "loaded")} for r in results] == [{"tensors": n, "loaded": n}] * 2
+    assert all(r["bytes_read"] == nbytes for r in results)  # one worker per group here: it reads everything
+    for w in engine.workers:  # the bf16 values, loaded
+        for p, q in zip(w.model_runner.model.inner.parameters(), trained.parameters()):
+            assert torch.equal(p, q.to(torch.bfloat16).float())
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
-        engine.collective_rpc("reload_weights", (str(tmp_path),))
+        engine.collective_rpc(RELOAD_METHOD, (str(tmp_path),))
     partial = {k: v for k, v in trained.state_dict().items() if "layers.0." not in k}
     write_full_weights(partial, tmp_path / "v2")
     with pytest.raises(RuntimeError, match="not in the checkpoint"):
-        engine.collective_rpc("reload_weights", (str(tmp_path / "v2"),))
+        engine.collective_rpc(RELOAD_METHOD, (str(tmp_path / "v2"),))
+
+
+def test_extension_names_are_free_on_vllms_worker():
+    """vLLM asserts at start that no attribute of the extension exists on its Worker class
+    (0.33 vllm/v1/worker/worker_base.py, 0.11 vllm/worker/worker_base.py); an instance attribute
+    of the same name would shadow it. The names are recorded from each version's source
+    (scale/serving/record_vllm.py)."""
+    mod = _load_extension()
+    record = json.loads((REPO / "scale/serving/vllm_recorded.json").read_text())
+    assert {"0.11.0", "0.33.0"} <= set(record)
+    ours = {a for a in dir(mod.MinirsiWorkerExtension) if not a.startswith("__")}
+    assert RELOAD_METHOD in ours
+    for version, r in record.items():
+        assert "reload_weights" in r["worker_class_attributes"], version  # the name the extension had
+        taken = set(r["worker_class_attributes"]) | set(r["worker_instance_attributes"])
+        assert not ours & taken, (version, sorted(ours & taken))
+
+
+@pytest.mark.slow
+def test_tp_workers_each_read_their_share_and_all_load_everything(model, tok, tmp_path):
+    """Two gloo processes stand in for a TP group of two vLLM workers: each reads every other
+    shard file and broadcasts it; both models end with every (bf16) weight."""
+    trained = copy.deepcopy(model)
+    _perturb(trained.parameters(), seed=6)
+    nbytes = write_full_weights(trained.state_dict(), tmp_path / "w", torch.bfloat16, shard_bytes=60_000)
+    files = len(list((tmp_path / "w").glob("*.safetensors")))
+    assert files >= 4
+    torch.save({k: v.to(torch.bfloat16) for k, v in trained.state_dict().items()}, tmp_path / "want.pt")
+    save_actor(model, tok, tmp_path / "model")  # what each worker starts from (the old weights)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO / 'scale/serving'}"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "tests/dist_tp_load.py"), str(tmp_path / "model"), str(tmp_path / "w"),
+                           str(tmp_path / "want.pt"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(2)]
+    assert [g["files_read"] for g in got] == [(files + 1) // 2, files // 2]
+    assert sum(g["bytes_read"] for g in got) == nbytes  # each byte read once, by one worker
+    assert all(g["tensors"] == g["loaded"] == len(dict(model.named_parameters())) for g in got)
+    assert all(g["max_diff"] == 0.0 for g in got)
+
+
+def test_the_request_sends_every_field_vllm_would_take_from_generation_config(tok):
+    """vLLM fills a field the request leaves out from generation_config.json (Qwen3: top_k 20,
+    top_p 0.95): the sampler sends each one the record lists, at the value that keeps the whole
+    distribution, and ignore_eos so that only stop_token_ids end a reply."""
+    sent = []
+
+    class Capture(OpenAISampler):
+        def _post(self, body, server=None):
+            sent.append(body)
+            return {"choices": [{"index": 0, "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]},
+                                 "finish_reason": "length"}]}
+
+    Capture(["http://127.0.0.1:1"], "policy").generate([[1, 2, 3]], 1, 0.7, [2], seed=1)
+    (body,) = sent
+    record = json.loads((REPO / "scale/serving/vllm_recorded.json").read_text())
+    neutral = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    for version, r in record.items():
+        for field in r["completion_fields_from_generation_config"]:
+            assert body.get(field) == neutral[field], (version, field, body.get(field))
+    assert body["ignore_eos"] is True and body["stop_token_ids"] == [2]
+    assert body["max_tokens"] == 1 and body["logprobs"] == 0 and body["seed"] == 1
+
+
+def test_minirsi_serve_refuses_a_truncated_distribution(servers, tok):
+    import requests
+
+    (a,) = servers(1)
+    body = {"model": "policy", "prompt": [[1, 2, 3]], "max_tokens": 2, "top_k": 20}
+    r = requests.post(a.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "top_k=20" in r.text
+
+
+def test_a_reset_that_answers_success_false_is_retried_then_stops_the_sync(servers, model, tmp_path):
+    """vLLM 0.33 answers /reset_prefix_cache with 200 {"success": false} while blocks are held."""
+    a, b = servers(2)
+    answers = iter([{"success": False}, {"success": True}])
+    a.reset_prefix_cache = lambda: next(answers)  # held once, then reset
+    b.reset_prefix_cache = lambda: {"success": False}  # never resets
+    sync = WeightSync(OpenAISampler([a.url], "policy"), tmp_path / "w", retries=2)
+    sync(copy.deepcopy(model))  # a: retried once, done
+    sync = WeightSync(OpenAISampler([b.url], "policy"), tmp_path / "w2", retries=2)
+    with pytest.raises(WeightSyncError, match=f"{b.url}/reset_prefix_cache answered .*success.*false.* 3 times"):
+        sync(copy.deepcopy(model))
+
+
+def test_a_collective_rpc_answer_without_results_stops_the_sync(servers, model, tmp_path):
+    (a,) = servers(1)
+    a.collective_rpc = lambda body: {}  # vLLM's empty 200: the method ran nowhere that reported
+    with pytest.raises(WeightSyncError, match="not one result per worker"):
+        WeightSync(OpenAISampler([a.url], "policy"), tmp_path / "w")(copy.deepcopy(model))
+
+
+def test_sync_files_are_bf16_shards_that_read_back(model, tmp_path):
+    state = {k: v for k, v in model.state_dict().items()}
+    n32 = write_full_weights(state, tmp_path / "f32")
+    n16 = write_full_weights(state, tmp_path / "b16", torch.bfloat16, shard_bytes=50_000)
+    assert n16 * 2 == n32  # half the bytes
+    index = json.loads((tmp_path / "b16" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == n16 and len(set(index["weight_map"].values())) > 1
+    back = read_full_weights(tmp_path / "b16")
+    assert set(back) == set(state)  # tied names restored
+    assert all(back[k].dtype == torch.bfloat16 and torch.equal(back[k], v.to(torch.bfloat16)) for k, v in state.items())
+    assert back["lm_head.weight"] is back["model.embed_tokens.weight"]
+    one = read_full_weights(tmp_path / "f32")
+    assert all(torch.equal(one[k], v) for k, v in state.items())
+
+
+def test_a_lora_push_merges_without_copying_the_model(model, tmp_path):
+    from minirsi.weight_sync import gather_full_state_dict
+
+    lora = attach_lora(copy.deepcopy(model), LoraSettings(r=4))
+    _perturb([p for n, p in lora.named_parameters() if "lora_" in n], seed=3, scale=0.2)
+    want = copy.deepcopy(lora).merge_and_unload().state_dict()
+    got = gather_full_state_dict(lora)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    base = lora.get_base_model()
+    untouched = base.model.embed_tokens.weight  # not a LoRA target: shared, not copied
+    assert got["model.embed_tokens.weight"].data_ptr() == untouched.data_ptr()
 
 
 # ---------------------------------------------------------------- real server processes
@@ -418,8 +545,9 @@ def test_two_serve_processes_end_to_end(procs, model, tok, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_recipe_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_path):
-    """`minirsi run` scaled down (tiny suites, one RPR step each) with RPR's rollouts on two
-    `minirsi serve` processes: every RPR step logs a sync, and the servers end on the final
+    """`minirsi run` scaled down (tiny suites, one RPR step each) with every stage's rollouts on
+    two `minirsi serve` processes: each stage pushes its actor first (RSR, the warm-up's frozen
+    actor, RPR, the evaluation), every RPR step logs a sync, and the servers end on the final
     actor's weights."""
     from minirsi import recipe
     from minirsi.config import load_config
@@ -431,6 +559,7 @@ def test_recipe_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_path)
     run_dir = tmp_path / "run"
     overrides = [
         f"base.model={tmp_path / 'base'}", f"serving.servers=[{a.url},{b.url}]", "serving.verify_tol=1e-4",
+        "serving.sync_dtype=float32",  # minirsi serve computes in fp32: the trainer's weights exactly
         "suites.train=4", "suites.core=1", "suites.hard=1", "suites.long=1", "suites.unseen=1",
         "rollout.max_turns=2", "rollout.max_new_tokens=16", "rollout.command_timeout=5",
         "rsr1.samples_per_task=1", "rsr2.samples_per_task=1", "baselines.direct_ppo=false",
@@ -448,6 +577,10 @@ def test_recipe_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_path)
         assert len(syncs) == joint + 1  # before the first rollout, then after every joint update
         assert all(r["sync_max_gap"] <= 1e-4 and r["sync_servers"] == 2 for r in syncs)
         assert all("tis_capped_frac" in r for r in mine if r.get("phase") == "joint")
+    for stage in ("rsr1", "warmup", "rsr2"):  # the stages that sampled in-process before: one push each
+        assert [r["sync_servers"] for r in recs if r["stage"] == stage and "sync_s" in r] == [2.0], stage
+    # 9 pushes in all: base's evaluation, RSR-1, the warm-up, RPR-1 (1 + 2), RSR-2, RPR-2 (1 + 1)
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000008", "v000009"]
     final, _ = load_actor(run_dir / "stages" / "05-rpr2" / "actor")
     ids = _probe(tok_)
     for p in (a, b):
@@ -470,3 +603,23 @@ def test_a_run_started_before_the_serving_fields_still_resumes(tmp_path):
     assert "rpr2" in results
     with pytest.raises(ConfigError, match="serving.on_server_failure"):  # a real difference still is one
         run_fake(small_cfg("serving.on_server_failure=retry"), run_dir, FakeRunner(), resume=True)
+
+
+def test_a_resume_may_name_new_servers_but_not_switch_to_them(tmp_path):
+    """A SLURM job starts new servers at new URLs: a resumed run takes them (serving.servers is
+    where the run samples, not what it computes), but a run that sampled in-process cannot
+    resume on servers (or back) unnoticed."""
+    from minirsi.config import ConfigError
+    from test_pipeline import FakeRunner, SimulatedKill, run_fake, small_cfg
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(SimulatedKill):
+        run_fake(small_cfg("serving.servers=[http://node1:8000]"), run_dir, FakeRunner(kill_in="rsr1"))
+    results = run_fake(small_cfg("serving.servers=[http://node7:8000,http://node8:8000]"), run_dir, FakeRunner(),
+                       resume=True)
+    assert "rpr2" in results
+    other = tmp_path / "other"
+    with pytest.raises(SimulatedKill):
+        run_fake(small_cfg(), other, FakeRunner(kill_in="rsr1"))
+    with pytest.raises(ConfigError, match="serving.servers"):
+        run_fake(small_cfg("serving.servers=[http://node7:8000]"), other, FakeRunner(), resume=True)
