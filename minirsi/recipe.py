@@ -58,6 +58,7 @@ from minirsi.rollout import RolloutConfig
 from minirsi.rpr import RPRConfig
 from minirsi.rsr import RSRConfig
 from minirsi.rundir import RunError, Runner, StageSpec, run_stages
+from minirsi.runlock import RunDirBusy
 from minirsi.stages import SUITES, BaseConfig, RecipeRunner, SuitesConfig
 from minirsi.weight_sync import ServingConfig
 
@@ -322,7 +323,7 @@ def cli(argv: Sequence[str] | None = None, command: str = "run") -> int:
     except ConfigError as e:
         print(f"minirsi {command}: config error: {e}", file=sys.stderr)
         return 2
-    except RunError as e:
+    except (RunError, RunDirBusy) as e:
         print(f"minirsi {command}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -3,6 +3,7 @@
 ``recipe.py`` says which stages run and what each computes; this module runs a list of stages
 (``run_stages``) so that an interrupted run can go on where it stopped. Its layout::
 
+    RUN_DIR/run.lock            held by the live run (minirsi.runlock): a second run here is refused
     RUN_DIR/config.yaml         the full RunConfig (a resumed run must match it)
     RUN_DIR/calibration.json    FDR/SPR scales D_f, computed once from the train suite, frozen
     RUN_DIR/tasks/<suite>/      the generated toy suites (deterministic in suites.seed)
@@ -24,8 +25,14 @@ run reproduces the stages an uninterrupted run would have produced (up to the
 non-determinism of concurrent sandboxes); a continuation branch instead restores the RNG and
 optimizer state its source stage saved, as if that stage had simply run longer.
 
+One run at a time: ``run_stages`` holds ``run.lock`` (an ``flock``, ``minirsi.runlock``) from
+before it reads the directory until it returns, so a second ``minirsi run`` or ``--resume`` on a
+live directory stops with an error naming the holder's PID instead of deleting the stage the
+holder is writing; the kernel drops the lock when its holder dies, so a dead run's lock is taken
+over.
+
 Sharded runs (torchrun / accelerate launch, ``minirsi.distributed``): every rank trains every
-stage; rank 0 alone owns the directory (markers, metrics, evaluation).
+stage; rank 0 alone owns the directory (the lock, markers, metrics, evaluation).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from tqdm import tqdm
 from minirsi import distributed
 from minirsi.atomic import atomic_write_json, atomic_write_text
 from minirsi.config import ConfigError, load_config, save_config, to_dict
+from minirsi.runlock import LOCK_NAME, RunLock
 
 if TYPE_CHECKING:  # recipe.py imports this module; the config's type is a hint here
     from minirsi.recipe import RunConfig
@@ -271,10 +279,33 @@ def run_stages(cfg: RunConfig, run_dir: str | Path, stages: Sequence[StageSpec],
             is listed), or a new run into a directory that already holds one.
         RunError: a stage failed (disk full, a dead sandbox, ...); finished stages are kept
             and the message gives the ``--resume`` command.
+        RunDirBusy: another live process holds the directory's lock (``minirsi.runlock``);
+            nothing was read or changed.
     """
     run_ = RunDir(run_dir)
     world = distributed.current()  # torchrun / accelerate: rank 0 owns the run directory
-    kept = _on_main(world, lambda: (_prepare_dir(cfg, run_, resume), _drop_incomplete(run_, stages))[1])
+    held: list[RunLock] = []  # rank 0's lock on the directory, until this function returns
+
+    def prepare() -> list[str]:
+        if resume and not run_.config.is_file():  # before the lock would create the directory
+            raise ConfigError(f"--resume {run_.root}: no config.yaml there, so it is not a minirsi run "
+                              f"directory; start a new run with --out {run_.root}")
+        held.append(RunLock.acquire(run_.root))  # RunDirBusy, naming the holder, while another run lives
+        _prepare_dir(cfg, run_, resume)
+        return _drop_incomplete(run_, stages)
+
+    try:
+        kept = _on_main(world, prepare)
+        return _run_locked(cfg, run_, stages, runner, resume, tensorboard, kept)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _run_locked(cfg: RunConfig, run_: RunDir, stages: Sequence[StageSpec], runner: Runner, resume: bool,
+                tensorboard: bool, kept: list[str]) -> dict:
+    """``run_stages`` once the directory is locked and prepared."""
+    world = distributed.current()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if resume:
@@ -329,9 +360,6 @@ def _failure(run_: RunDir, where: str, e: BaseException) -> str:
 def _prepare_dir(cfg: RunConfig, run_: RunDir, resume: bool) -> None:
     now = to_dict(cfg)
     if resume:
-        if not run_.config.is_file():
-            raise ConfigError(f"--resume {run_.root}: no config.yaml there, so it is not a minirsi run "
-                              f"directory; start a new run with --out {run_.root}")
         # Through load_config, so a field added since the run started reads as its default on both
         # sides (a run from before serving.* or rpr*.tis_cap existed still resumes).
         saved = to_dict(load_config(type(cfg), run_.config))
@@ -343,7 +371,7 @@ def _prepare_dir(cfg: RunConfig, run_: RunDir, resume: bool) -> None:
                 + "\nResume without overrides (the run's config.yaml is used) or start a new run with --out."
             )
         return
-    if run_.root.exists() and any(run_.root.iterdir()):
+    if any(p.name != LOCK_NAME for p in run_.root.iterdir()):
         raise ConfigError(f"{run_.root} already holds a run; continue it with `minirsi run --resume "
                           f"{run_.root}` or pick a new --out directory")
     run_.stages.mkdir(parents=True, exist_ok=True)
