@@ -36,8 +36,10 @@ its own episode, recorded as a failure: ``stop_reason="sandbox_error"``, ``error
 ``success=False``, ``passed=0``, ``total=0`` (the verifier never ran, so C is unknown).
 
 Episodes are appended to a JSONL file as they finish (``episode.JsonlWriter``), so an
-interrupted collection keeps every episode it finished; ``export_atif`` writes them as ATIF
-trajectories (Harbor's Agent Trajectory Interchange Format) for viewing.
+interrupted collection keeps every episode it finished, and a later call given those episodes
+(``finished``) runs only the others (``rpr.make_rollout_fn``'s journal resumes an RPR step so);
+``export_atif`` writes them as ATIF trajectories (Harbor's Agent Trajectory Interchange Format)
+for viewing.
 
 Departures from the paper: a step waits for the slowest episode's commands before the next
 batched generation (a simple, deterministic schedule; per-command timeouts bound the wait),
@@ -68,7 +70,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from minirsi import actions
-from minirsi.episode import Episode, JsonlWriter
+from minirsi.episode import Episode, JsonlWriter, read_jsonl, write_jsonl
 from minirsi.config import load_config
 from minirsi.models import load_actor
 from minirsi.sampler import FINISH_LENGTH, HFSampler, OpenAISampler, Sample, Sampler
@@ -206,6 +208,7 @@ def collect(
     stats: RolloutStats | None = None,
     open_sandbox: Callable[[Any, str], Any] = _default_open,
     verify: Callable[[Any, Any], Any] = _default_verify,
+    finished: dict[int, Episode] | None = None,
 ) -> list[Episode]:
     """Run one episode per entry of ``tasks`` (repeat a task to get several) and return them in
     the order of ``tasks``; with ``out_path`` each is also appended to that JSONL file as it
@@ -221,9 +224,18 @@ def collect(
         stats: when given, filled with timing figures (``RolloutStats``).
         open_sandbox, verify: the environment (defaults: ``minirsi.sandbox.open_sandbox`` and
             ``minirsi.verifier.verify``); tests pass fakes.
+        finished: episodes of this call that an interrupted attempt already finished, by
+            their index in ``tasks`` (``meta["index"]``): not run again, returned in their
+            place, not written to ``out_path`` again.
     Raises:
-        ValueError: a task whose prompt plus ``max_new_tokens`` exceeds ``max_context_tokens``.
+        ValueError: a task whose prompt plus ``max_new_tokens`` exceeds ``max_context_tokens``,
+            or a ``finished`` episode whose index or task does not match ``tasks``.
     """
+    finished = dict(finished or {})
+    for i, ep in finished.items():
+        if not 0 <= i < len(tasks) or ep.task_id != tasks[i].task_id:
+            raise ValueError(f"finished episode {i} ({ep.task_id}) does not match task {i} of this collection "
+                             f"({tasks[i].task_id if 0 <= i < len(tasks) else 'out of range'})")
     stats = stats if stats is not None else RolloutStats()
     t_start = time.monotonic()
     stop_id = actions.special_id(tokenizer, actions.IM_END)
@@ -241,11 +253,11 @@ def collect(
     writer = JsonlWriter(out_path) if out_path is not None else None
     work = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-sandbox")
     fin = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-verify")
-    queue = deque(range(len(tasks)))
+    queue = deque(i for i in range(len(tasks)) if i not in finished)
     live: list[_Run] = []
     finishing: list[Future] = []
-    done: dict[int, Episode] = {}
-    bar = tqdm(total=len(tasks), desc="rollout", unit="ep", disable=not progress)
+    done: dict[int, Episode] = dict(finished)
+    bar = tqdm(total=len(tasks), initial=len(done), desc="rollout", unit="ep", disable=not progress)
 
     def start(i: int) -> _Run:
         """A new live episode; its sandbox opens in the pool while its first action is sampled."""
@@ -364,6 +376,34 @@ def collect(
             100 * stats.outside_generation,
         )
     return episodes
+
+
+def finished_in(path: str | Path, tasks: Sequence[Any]) -> dict[int, Episode]:
+    """The episodes that an interrupted ``collect(tasks, out_path=path)`` finished, by their index
+    in ``tasks`` (empty when ``path`` does not exist): pass them as ``collect(...,
+    finished=...)`` to run only the others. A torn last line (the writer was killed mid-line) is
+    cut from the file, so what ``collect`` appends next starts on a line of its own.
+
+    Raises:
+        ValueError: an episode in ``path`` that is not one of ``tasks`` (another collection's
+            file), naming the file and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    text = path.read_text()
+    episodes = list(read_jsonl(path))
+    out: dict[int, Episode] = {}
+    for ep in episodes:
+        i = ep.meta.get("index")
+        if not isinstance(i, int) or not 0 <= i < len(tasks) or tasks[i].task_id != ep.task_id or i in out:
+            raise ValueError(f"{path}: episode {ep.task_id} (index {i}) is not one of the {len(tasks)} episodes of "
+                             f"this collection, or is there twice; the file belongs to another collection. Fix: "
+                             f"delete {path} to collect them all again")
+        out[i] = ep
+    if text and not text.endswith("\n"):
+        write_jsonl(episodes, path)  # atomically, without the torn line
+    return out
 
 
 def _retire(live: list[_Run], finishing: list[Future], fin: ThreadPoolExecutor, verify: Callable) -> None:

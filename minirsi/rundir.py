@@ -9,6 +9,7 @@
     RUN_DIR/tasks/<suite>/      the generated toy suites (deterministic in suites.seed)
     RUN_DIR/stages/NN-name/     actor/, critic/, optimizer.pt, rng.pt, metrics.jsonl,
                                 episodes*.jsonl, eval/<suite>.jsonl, eval.json, DONE.json
+    RUN_DIR/journal/NN-name/    an unfinished RPR stage's episodes, one file per step (below)
     RUN_DIR/metrics.jsonl       every update of every stage: {"stage", "step", metric: value}
     RUN_DIR/tb/                 the same metrics for TensorBoard (offline)
     RUN_DIR/results.json        stage -> suite -> {"mean_at_3", "by_difficulty", ...}
@@ -20,7 +21,12 @@ same way), so a kill during evaluation keeps the trained stage. What a stage did
 (an RSR stage's critic) passes through as hard links, so every stage directory holds the full
 checkpoint the next stage starts from. ``--resume`` deletes incomplete stage directories,
 drops their lines from ``metrics.jsonl``, and runs from the first stage that is not done:
-whatever finished is kept. Each stage seeds every RNG from (run seed, stage name), so a resumed
+whatever finished is kept. Within an RPR stage the unit is the episode: each step's episodes are
+appended to ``journal/NN-name/rollout-<seed>.jsonl`` as they finish (``rpr.make_rollout_fn``),
+a directory the resume keeps, so the rerun stage replays its finished steps from their
+episodes (the same updates, no sampling) and collects only the episodes that the interrupted
+step had not finished (a kill, a full disk, an inference server that died with
+``serving.on_server_failure=fail``); the journal goes once the stage is done. Each stage seeds every RNG from (run seed, stage name), so a resumed
 run reproduces the stages an uninterrupted run would have produced (up to the
 non-determinism of concurrent sandboxes); a continuation branch instead restores the RNG and
 optimizer state its source stage saved, as if that stage had simply run longer.
@@ -107,6 +113,7 @@ class RunDir:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.stages = self.root / "stages"
+        self.journals = self.root / "journal"
         self.config = self.root / "config.yaml"
         self.calibration = self.root / "calibration.json"
         self.tasks = self.root / "tasks"
@@ -116,6 +123,10 @@ class RunDir:
 
     def stage(self, spec: StageSpec) -> Path:
         return self.stages / spec.dirname
+
+    def journal(self, spec: StageSpec) -> Path:
+        """Where the stage's rollouts are journaled until it is done (the docstring above)."""
+        return self.journals / spec.dirname
 
     def done(self, spec: StageSpec) -> dict | None:
         """The stage's DONE.json record, or None when it has not finished."""
@@ -385,6 +396,7 @@ def _drop_incomplete(run_: RunDir, stages: Sequence[StageSpec]) -> list[str]:
         d = run_.stage(spec)
         if run_.done(spec) is not None:
             finished.append(spec.name)
+            shutil.rmtree(run_.journal(spec), ignore_errors=True)  # killed between DONE.json and its removal
             if spec.evaluate and run_.eval_done(spec) is None and (d / "eval").exists():
                 shutil.rmtree(d / "eval")  # a half-written evaluation is redone
             continue
@@ -392,6 +404,8 @@ def _drop_incomplete(run_: RunDir, stages: Sequence[StageSpec]) -> list[str]:
         if d.exists():
             logger.info("removing the unfinished stage %s", d)
             shutil.rmtree(d)
+        if run_.journal(spec).is_dir():
+            logger.info("keeping the journaled episodes of %s in %s", spec.dirname, run_.journal(spec))
     drop_metrics_of(run_.metrics, unfinished)
     return finished
 
@@ -434,6 +448,7 @@ def _train_stage(cfg: RunConfig, run_: RunDir, runner: Runner, stages: Sequence[
               "actor_from": spec.actor_from, "critic_from": spec.critic_from, "extra_steps": spec.extra_steps,
               "wall_s": round(time.time() - t0, 2), "stats": {k: _jsonable(v) for k, v in (stats or {}).items()}}
     atomic_write_json(out / "DONE.json", record)  # last: the stage is finished once this exists
+    shutil.rmtree(run_.journal(spec), ignore_errors=True)  # its episodes are in the stage's episodes.jsonl
     logger.info("stage %s done in %.0f s", spec.dirname, record["wall_s"])
     world.barrier()
 

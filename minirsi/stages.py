@@ -208,10 +208,12 @@ class RecipeRunner:
         return out_stats
 
     @staticmethod
-    def _rollout_fn(cfg: RunConfig, tok: Any, temperature: float | None = None, sync: Any = None) -> Callable:
-        """In-process sampling, or, given a ``WeightSync``, its servers' sampler."""
+    def _rollout_fn(cfg: RunConfig, tok: Any, temperature: float | None = None, sync: Any = None,
+                    journal: Path | None = None) -> Callable:
+        """In-process sampling, or, given a ``WeightSync``, its servers' sampler; ``journal``:
+        ``make_rollout_fn``'s (a resumed stage collects only what it had not finished)."""
         rcfg = cfg.rollout if temperature is None else dataclasses.replace(cfg.rollout, temperature=temperature)
-        return make_rollout_fn(tok, rcfg, None if sync is None else (lambda model, tok_: sync.sampler))
+        return make_rollout_fn(tok, rcfg, None if sync is None else (lambda model, tok_: sync.sampler), journal=journal)
 
     @staticmethod
     def _actor(cfg: RunConfig, path: Path | None) -> tuple[Any, Any]:
@@ -296,7 +298,8 @@ class RecipeRunner:
         if push is not None:
             log(offset, {"phase": "sync", **push(actor)})  # the servers start from this stage's actor
         with JsonlWriter(out / "episodes.jsonl") as writer:
-            rollout_fn = world.rollout_fn(_recording(self._rollout_fn(cfg, tok, stage_cfg.temperature, sync), writer),
+            sample = self._rollout_fn(cfg, tok, stage_cfg.temperature, sync, journal=run_.journal(spec))
+            rollout_fn = world.rollout_fn(_recording(sample, writer),
                                           gather=not cfg.serving.servers)  # servers sample: no gather per rollout
             history = run_rpr(actor, critic, tok, self.tasks(cfg, run_, "train"), stage_cfg, rollout_fn,
                               self.scales(run_), log_fn=lambda rec: log(offset + int(rec["step"]), rec),

@@ -321,6 +321,33 @@ def test_resume_after_kill_loses_nothing_finished(tmp_path, kill_in, kill_in_eva
     assert not list((run_dir / "stages").rglob("half-written.bin"))
 
 
+class Journaling(FakeRunner):
+    """Appends a line to RPR-1's journal at each attempt, noting what the attempt found there."""
+
+    found: str | None = None
+
+    def train(self, cfg, run, spec, inputs, out, log):
+        if spec.name == "rpr1":
+            path = run.journal(spec) / "rollout-1.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.found = path.read_text() if path.exists() else None
+            with path.open("a") as f:
+                f.write("an episode\n")
+        return super().train(cfg, run, spec, inputs, out, log)
+
+
+def test_an_unfinished_stages_journal_is_kept_by_the_resume_and_goes_once_the_stage_is_done(tmp_path):
+    run_dir = tmp_path / "run"
+    first = Journaling(kill_in="rpr1")
+    with pytest.raises(SimulatedKill):
+        run_fake(small_cfg(), run_dir, first)
+    assert first.found is None and not (run_dir / "stages" / "03-rpr1" / "DONE.json").exists()
+    second = Journaling()
+    run_fake(small_cfg(), run_dir, second, resume=True)
+    assert second.found == "an episode\n"  # what the killed attempt journaled
+    assert not (run_dir / "journal" / "03-rpr1").exists()  # in the stage's own files now
+
+
 def test_resume_with_a_different_config_says_what_differs(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(SimulatedKill):

@@ -310,6 +310,34 @@ def test_jsonl_streams_episodes_and_survives_interruption(tok, tmp_path):
     assert [e.task_id for e in read_jsonl(out)] == [e.task_id for e in kept]
 
 
+def test_a_resumed_collection_runs_only_the_episodes_it_had_not_finished(tok, tmp_path):
+    from minirsi.rollout import finished_in
+
+    # As above: t0 and t1 finish, the collection is interrupted while t2 is live, t3 never started.
+    scripts = {"t0": ["TASK_COMPLETE"], "t1": ["```bash\nls\n```", "TASK_COMPLETE"], "t2": ["```bash\nls\n```"],
+               "t3": ["```bash\nsolve\n```", "TASK_COMPLETE"]}
+    out, todo = tmp_path / "eps.jsonl", tasks(4)
+    with pytest.raises(KeyboardInterrupt):
+        collect(todo, ScriptedSampler(tok, scripts, fail_after_steps=2), tok, cfg(max_turns=8, concurrency=3),
+                out_path=out, progress=False, open_sandbox=Sandboxes(), verify=fake_verify)
+    before = out.read_text()
+    with out.open("a") as f:  # and it was killed writing a line
+        f.write(before.splitlines()[0][:50])
+    finished = finished_in(out, todo)
+    assert sorted(finished) == [0, 1] and out.read_text() == before  # the torn line is cut off
+    again = Sandboxes()
+    eps = collect(todo, ScriptedSampler(tok, scripts), tok, cfg(max_turns=8, concurrency=3), out_path=out,
+                  progress=False, open_sandbox=again, verify=fake_verify, finished=finished)
+    assert sorted(sb.task.task_id for sb in again.opened) == ["t2", "t3"]  # only what had not finished
+    assert [e.task_id for e in eps] == ["t0", "t1", "t2", "t3"] and eps[0] is finished[0]
+    lines = out.read_text().splitlines()
+    assert out.read_text().startswith(before)  # the finished episodes' lines untouched, the new ones after them
+    assert sorted(json.loads(x)["meta"]["index"] for x in lines) == [0, 1, 2, 3]  # each episode once
+    assert finished_in(out, todo).keys() == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match=f"{out}.*another collection.*delete"):  # a journal of other tasks
+        finished_in(out, tasks(2)[::-1])
+
+
 def test_atif_export_carries_the_exact_action_ids(tok, tmp_path):
     scripts = {"t0": ["```bash\nsolve\n```", "TASK_COMPLETE"]}
     eps = collect(tasks(1), ScriptedSampler(tok, scripts), tok, cfg(), progress=False,
