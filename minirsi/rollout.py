@@ -29,7 +29,7 @@ The loop, one step at a time::
 
 An episode stops when the reply says ``TASK_COMPLETE`` ("done"), after ``max_turns`` actions
 ("max_turns"), when the next turn would not fit in ``max_context_tokens`` ("context"), or when
-its wall time passes ``episode_timeout`` / the task's ``agent_timeout_sec`` ("timeout"). A
+its commands have used ``episode_timeout`` / the task's ``agent_timeout_sec`` ("timeout"). A
 reply with no command and no completion is answered with ``actions.FORMAT_REMINDER`` and counts
 in ``parse_errors``. A sandbox that fails to open, raises (``SandboxError``) or dies ends only
 its own episode, recorded as a failure: ``stop_reason="sandbox_error"``, ``error`` set,
@@ -44,6 +44,16 @@ for viewing.
 Departures from the paper: a step waits for the slowest episode's commands before the next
 batched generation (a simple, deterministic schedule; per-command timeouts bound the wait),
 where an asynchronous engine would refill the batch continuously.
+
+What counts against an episode's time limit (our choice; Harbor counts the agent's wall time):
+the time its own commands ran in its sandbox, a timed-out command counting as the whole budget
+it was given. Not the batched generation, nor the wait for other episodes' commands: those grow
+with the batch and with the machine's load (an evaluation episode of the smoke preset spent
+~20-40 s of wall time waiting on a loaded 2-core machine, against limits of 60-180 s), so a
+wall-clock limit made the same seed stop different episodes on a busier machine. What stays
+load-dependent is only a command whose own run time is near its ``command_timeout`` (or near
+what is left of the episode's budget), and the verifier's and the sandbox start's timeouts
+(30 s each, against tens of milliseconds for the toy tasks).
 
 Run::
 
@@ -98,7 +108,8 @@ class RolloutConfig:
     command_timeout: float = 30.0
     """Seconds one command block may run in the sandbox before it is killed ([timed out])."""
     episode_timeout: float = 600.0
-    """Wall seconds per episode (capped by the task's agent_timeout_sec); then "timeout"."""
+    """Seconds of command time per episode (capped by the task's agent_timeout_sec); then
+    "timeout". Only the episode's own commands count, not generation or waits (module docstring)."""
     obs_max_chars: int = actions.OBS_MAX_CHARS
     """Characters of each block's output shown to the agent (head and tail kept)."""
     concurrency: int = 16
@@ -166,7 +177,11 @@ class _Run:
     task: Any
     ids: list[int]
     started: float
+    """time.monotonic() when the episode was admitted (for its wall_s, which nothing decides on)."""
     limit_s: float
+    """The episode's time limit, in seconds of its own command time."""
+    used_s: float = 0.0
+    """Command time used so far: each command's run time, a timed-out one's whole budget."""
     sandbox: Any = None
     opening: Future | None = None
     """The sandbox being opened in the pool (overlapping the episode's first generation)."""
@@ -181,7 +196,7 @@ class _Run:
     error: str | None = None
 
     def remaining(self) -> float:
-        return self.limit_s - (time.monotonic() - self.started)
+        return self.limit_s - self.used_s
 
 
 def _default_open(task: Any, backend: str) -> Any:
@@ -455,12 +470,16 @@ def _run_commands(run: _Run, commands: list[str], command_timeout: float) -> lis
         budget = min(command_timeout, run.remaining())
         if budget <= 0:
             break  # the episode's time is up; later blocks do not run
+        t0 = time.monotonic()
         try:
-            results.append(run.sandbox.run(cmd, timeout=budget))
+            result = run.sandbox.run(cmd, timeout=budget)
         except Exception as e:  # SandboxError or a crash inside the backend: this episode fails
             logger.warning("episode %d (%s): sandbox failed: %s: %s", run.index, run.task.task_id, type(e).__name__, e)
             run.error = f"sandbox failed: {type(e).__name__}: {e}"
             return None
+        # A timed-out command is charged its budget, not the kill's extra moments (which vary with load).
+        run.used_s += budget if result.timed_out else min(budget, time.monotonic() - t0)
+        results.append(result)
     return results
 
 
@@ -526,6 +545,7 @@ def _finish(run: _Run, verify: Callable[[Any, Any], Any]) -> Episode:
             run.error = f"verifier failed: {type(e).__name__}: {e}"
     _close(run)
     meta["wall_s"] = round(time.monotonic() - run.started, 3)
+    meta["command_s"] = round(run.used_s, 3)
     if run.turns == 0:  # never acted (the sandbox did not open): nothing to train on
         meta["no_action"] = True
     return Episode(

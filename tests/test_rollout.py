@@ -293,6 +293,40 @@ def test_context_and_time_limits(tok):
     check_invariants(eps[0])
 
 
+class _SlowSampler(ScriptedSampler):
+    """Generation that takes ``delay`` seconds a call: what a big batch or a loaded machine does."""
+
+    def __init__(self, tok, scripts, delay: float):
+        super().__init__(tok, scripts)
+        self.delay = delay
+
+    def generate(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return super().generate(*args, **kwargs)
+
+
+class _TimingOut(Sandboxes):
+    """Sandboxes whose every command comes back at once as timed out (as if killed at its budget)."""
+
+    def __call__(self, task, backend):
+        sb = super().__call__(task, backend)
+        sb.run = lambda command, timeout: Result(output="", exit_code=None, timed_out=True)
+        return sb
+
+
+def test_the_time_limit_counts_the_episodes_own_command_time_not_the_wait_for_generation(tok):
+    scripts = {"t0": ["```bash\nls\n```"] * 10}
+    # 6 generation calls of >= 0.2 s each: over the 0.5 s limit in wall time, ~0 s of command time.
+    eps = collect(tasks(1), _SlowSampler(tok, scripts, delay=0.2), tok, cfg(max_turns=6, episode_timeout=0.5),
+                  progress=False, open_sandbox=Sandboxes(), verify=fake_verify)
+    assert (eps[0].stop_reason, eps[0].turns) == ("max_turns", 6) and eps[0].meta["wall_s"] > 1.0
+    assert eps[0].meta["command_s"] < 0.5
+    # A timed-out command is charged its whole budget however quickly it was killed: 10 + 10 + 5 = 25.
+    eps = collect(tasks(1), ScriptedSampler(tok, scripts), tok, cfg(max_turns=10, command_timeout=10.0,
+                  episode_timeout=25.0), progress=False, open_sandbox=_TimingOut(), verify=fake_verify)
+    assert (eps[0].stop_reason, eps[0].turns, eps[0].meta["command_s"]) == ("timeout", 3, 25.0)
+
+
 def test_jsonl_streams_episodes_and_survives_interruption(tok, tmp_path):
     # t0 finishes at step 1, t1 at step 2; the sampler is interrupted at step 3 while t2 is live.
     scripts = {"t0": ["TASK_COMPLETE"], "t1": ["```bash\nls\n```", "TASK_COMPLETE"], "t2": ["```bash\nls\n```"]}
