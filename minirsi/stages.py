@@ -176,6 +176,16 @@ class RecipeRunner:
             logger.info("Base: reusing the pretrained model cached in %s", cached)
             return {"source": str(cached)}
         metrics = pretrain(cfg.base.pretrain, out / "actor")
+        steps, want = metrics.get("steps"), cfg.base.pretrain.max_steps
+        if want and steps is not None and steps < want:
+            # Stopped by base.pretrain.minutes: this Base depends on the machine's speed and load,
+            # so it must not become the cached Base every later run of this config starts from.
+            logger.warning("Base: pretraining stopped by its time budget (base.pretrain.minutes=%g) after %d of "
+                           "max_steps=%d steps; this Base depends on the machine's speed and load and is not "
+                           "cached. Raise base.pretrain.minutes for the reproducible Base",
+                           cfg.base.pretrain.minutes, steps, want)
+            cached = None
+            metrics["time_capped"] = True
         if cached is not None:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")

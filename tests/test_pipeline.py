@@ -279,6 +279,23 @@ def test_base_cache_pretrains_once(tmp_path, monkeypatch):
     assert stages.base_cache_path(other) != stages.base_cache_path(cfg)
 
 
+def test_a_base_cut_short_by_the_time_budget_is_not_cached(tmp_path, monkeypatch, caplog):
+    def stopped_by_the_clock(cfg, out_dir, **kw):  # a loaded machine: 5 of max_steps=7 in the budget
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text("{}")
+        return {"steps": 5}
+
+    monkeypatch.setattr(stages, "pretrain", stopped_by_the_clock)
+    cfg = small_cfg(f"base.cache_dir={tmp_path / 'cache'}", "base.pretrain.max_steps=7")
+    out = tmp_path / "run"
+    out.mkdir()
+    with caplog.at_level("WARNING", logger="minirsi.stages"):
+        stats = stages.RecipeRunner().train(cfg, RunDir(out), plan(cfg)[0], rundir.StageInputs(None, None, None, None),
+                                            out, lambda *a: None)
+    assert stats["time_capped"] is True and "not cached" in caplog.text
+    assert not stages.base_cache_path(cfg).exists()  # later runs pretrain their own, not this one
+
+
 # -------------------------------------------------------------------------------- resume
 
 

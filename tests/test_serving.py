@@ -184,6 +184,20 @@ def test_every_server_down_is_an_error_naming_them(servers, tok):
         sampler.generate([[1, 2, 3]], 4, 1.0, [])
 
 
+def test_retries_leave_the_runs_seeded_random_stream_alone():
+    import random
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: every attempt is refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    random.seed(0)
+    expected = random.Random(0).random()
+    with pytest.raises(ServerDown):
+        OpenAISampler([dead], "policy", max_retries=2, backoff=0.001).generate([[1, 2, 3]], 4, 1.0, [])
+    assert random.random() == expected  # how often a server failed (timing) is not in the run's stream
+
+
 # ---------------------------------------------------------------- weight sync
 
 
