@@ -141,6 +141,7 @@ def run(cfg: RunConfig, run_dir: str | Path, runner: Runner | None = None, resum
         ConfigError: a run the planner says will not fit (``check_plan``), ``resume`` with a
             config that differs from the run's, or a new run into a directory that holds one.
         RunError: a stage failed; finished stages are kept (``rundir.run_stages``).
+        RunDirBusy: another live run holds ``run_dir`` (``minirsi.runlock``); nothing was touched.
     """
     check_plan(cfg, distributed.current().size)
     return run_stages(cfg, run_dir, plan(cfg), runner if runner is not None else RecipeRunner(), resume,

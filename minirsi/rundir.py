@@ -26,10 +26,14 @@ appended to ``journal/NN-name/rollout-<seed>.jsonl`` as they finish (``rpr.make_
 a directory the resume keeps, so the rerun stage replays its finished steps from their
 episodes (the same updates, no sampling) and collects only the episodes that the interrupted
 step had not finished (a kill, a full disk, an inference server that died with
-``serving.on_server_failure=fail``); the journal goes once the stage is done. Each stage seeds every RNG from (run seed, stage name), so a resumed
-run reproduces the stages an uninterrupted run would have produced (up to the
-non-determinism of concurrent sandboxes); a continuation branch instead restores the RNG and
-optimizer state its source stage saved, as if that stage had simply run longer.
+``serving.on_server_failure=fail``); the journal goes once the stage is done.
+
+Each stage seeds every RNG from (run seed, stage name), so a resumed run reproduces the stages
+an uninterrupted run would have produced, bit for bit on one machine, whatever its load
+(docs/experiments.md, "Load, machines and results"), except the episodes a resumed RPR step
+collects again, which share a batch with other episodes than they would have; a continuation
+branch instead restores the RNG and optimizer state its source stage saved, as if that stage
+had simply run longer.
 
 One run at a time: ``run_stages`` holds ``run.lock`` (an ``flock``, ``minirsi.runlock``) from
 before it reads the directory until it returns, so a second ``minirsi run`` or ``--resume`` on a
