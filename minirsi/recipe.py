@@ -58,6 +58,7 @@ from minirsi.rollout import RolloutConfig
 from minirsi.rpr import RPRConfig
 from minirsi.rsr import RSRConfig
 from minirsi.rundir import RunError, Runner, StageSpec, run_stages
+from minirsi.runlock import RunDirBusy
 from minirsi.stages import SUITES, BaseConfig, RecipeRunner, SuitesConfig
 from minirsi.weight_sync import ServingConfig
 
@@ -140,6 +141,7 @@ def run(cfg: RunConfig, run_dir: str | Path, runner: Runner | None = None, resum
         ConfigError: a run the planner says will not fit (``check_plan``), ``resume`` with a
             config that differs from the run's, or a new run into a directory that holds one.
         RunError: a stage failed; finished stages are kept (``rundir.run_stages``).
+        RunDirBusy: another live run holds ``run_dir`` (``minirsi.runlock``); nothing was touched.
     """
     check_plan(cfg, distributed.current().size)
     return run_stages(cfg, run_dir, plan(cfg), runner if runner is not None else RecipeRunner(), resume,
@@ -322,7 +324,7 @@ def cli(argv: Sequence[str] | None = None, command: str = "run") -> int:
     except ConfigError as e:
         print(f"minirsi {command}: config error: {e}", file=sys.stderr)
         return 2
-    except RunError as e:
+    except (RunError, RunDirBusy) as e:
         print(f"minirsi {command}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -29,19 +29,31 @@ The loop, one step at a time::
 
 An episode stops when the reply says ``TASK_COMPLETE`` ("done"), after ``max_turns`` actions
 ("max_turns"), when the next turn would not fit in ``max_context_tokens`` ("context"), or when
-its wall time passes ``episode_timeout`` / the task's ``agent_timeout_sec`` ("timeout"). A
+its commands have used ``episode_timeout`` / the task's ``agent_timeout_sec`` ("timeout"). A
 reply with no command and no completion is answered with ``actions.FORMAT_REMINDER`` and counts
 in ``parse_errors``. A sandbox that fails to open, raises (``SandboxError``) or dies ends only
 its own episode, recorded as a failure: ``stop_reason="sandbox_error"``, ``error`` set,
 ``success=False``, ``passed=0``, ``total=0`` (the verifier never ran, so C is unknown).
 
 Episodes are appended to a JSONL file as they finish (``episode.JsonlWriter``), so an
-interrupted collection keeps every episode it finished; ``export_atif`` writes them as ATIF
-trajectories (Harbor's Agent Trajectory Interchange Format) for viewing.
+interrupted collection keeps every episode it finished, and a later call given those episodes
+(``finished``) runs only the others (``rpr.make_rollout_fn``'s journal resumes an RPR step so);
+``export_atif`` writes them as ATIF trajectories (Harbor's Agent Trajectory Interchange Format)
+for viewing.
 
 Departures from the paper: a step waits for the slowest episode's commands before the next
 batched generation (a simple, deterministic schedule; per-command timeouts bound the wait),
 where an asynchronous engine would refill the batch continuously.
+
+What counts against an episode's time limit (our choice; Harbor counts the agent's wall time):
+the time its own commands ran in its sandbox, a timed-out command counting as the whole budget
+it was given. Not the batched generation, nor the wait for other episodes' commands: those grow
+with the batch and with the machine's load (an evaluation episode of the smoke preset spent
+~20-40 s of wall time waiting on a loaded 2-core machine, against limits of 60-180 s), so a
+wall-clock limit made the same seed stop different episodes on a busier machine. What stays
+load-dependent is only a command whose own run time is near its ``command_timeout`` (or near
+what is left of the episode's budget), and the verifier's and the sandbox start's timeouts
+(30 s each, against tens of milliseconds for the toy tasks).
 
 Run::
 
@@ -68,7 +80,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from minirsi import actions
-from minirsi.episode import Episode, JsonlWriter
+from minirsi.episode import Episode, JsonlWriter, read_jsonl, write_jsonl
 from minirsi.config import load_config
 from minirsi.models import load_actor
 from minirsi.sampler import FINISH_LENGTH, HFSampler, OpenAISampler, Sample, Sampler
@@ -96,7 +108,8 @@ class RolloutConfig:
     command_timeout: float = 30.0
     """Seconds one command block may run in the sandbox before it is killed ([timed out])."""
     episode_timeout: float = 600.0
-    """Wall seconds per episode (capped by the task's agent_timeout_sec); then "timeout"."""
+    """Seconds of command time per episode (capped by the task's agent_timeout_sec); then
+    "timeout". Only the episode's own commands count, not generation or waits (module docstring)."""
     obs_max_chars: int = actions.OBS_MAX_CHARS
     """Characters of each block's output shown to the agent (head and tail kept)."""
     concurrency: int = 16
@@ -164,7 +177,11 @@ class _Run:
     task: Any
     ids: list[int]
     started: float
+    """time.monotonic() when the episode was admitted (for its wall_s, which nothing decides on)."""
     limit_s: float
+    """The episode's time limit, in seconds of its own command time."""
+    used_s: float = 0.0
+    """Command time used so far: each command's run time, a timed-out one's whole budget."""
     sandbox: Any = None
     opening: Future | None = None
     """The sandbox being opened in the pool (overlapping the episode's first generation)."""
@@ -179,7 +196,7 @@ class _Run:
     error: str | None = None
 
     def remaining(self) -> float:
-        return self.limit_s - (time.monotonic() - self.started)
+        return self.limit_s - self.used_s
 
 
 def _default_open(task: Any, backend: str) -> Any:
@@ -206,6 +223,7 @@ def collect(
     stats: RolloutStats | None = None,
     open_sandbox: Callable[[Any, str], Any] = _default_open,
     verify: Callable[[Any, Any], Any] = _default_verify,
+    finished: dict[int, Episode] | None = None,
 ) -> list[Episode]:
     """Run one episode per entry of ``tasks`` (repeat a task to get several) and return them in
     the order of ``tasks``; with ``out_path`` each is also appended to that JSONL file as it
@@ -221,9 +239,18 @@ def collect(
         stats: when given, filled with timing figures (``RolloutStats``).
         open_sandbox, verify: the environment (defaults: ``minirsi.sandbox.open_sandbox`` and
             ``minirsi.verifier.verify``); tests pass fakes.
+        finished: episodes of this call that an interrupted attempt already finished, by
+            their index in ``tasks`` (``meta["index"]``): not run again, returned in their
+            place, not written to ``out_path`` again.
     Raises:
-        ValueError: a task whose prompt plus ``max_new_tokens`` exceeds ``max_context_tokens``.
+        ValueError: a task whose prompt plus ``max_new_tokens`` exceeds ``max_context_tokens``,
+            or a ``finished`` episode whose index or task does not match ``tasks``.
     """
+    finished = dict(finished or {})
+    for i, ep in finished.items():
+        if not 0 <= i < len(tasks) or ep.task_id != tasks[i].task_id:
+            raise ValueError(f"finished episode {i} ({ep.task_id}) does not match task {i} of this collection "
+                             f"({tasks[i].task_id if 0 <= i < len(tasks) else 'out of range'})")
     stats = stats if stats is not None else RolloutStats()
     t_start = time.monotonic()
     stop_id = actions.special_id(tokenizer, actions.IM_END)
@@ -241,11 +268,11 @@ def collect(
     writer = JsonlWriter(out_path) if out_path is not None else None
     work = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-sandbox")
     fin = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-verify")
-    queue = deque(range(len(tasks)))
+    queue = deque(i for i in range(len(tasks)) if i not in finished)
     live: list[_Run] = []
     finishing: list[Future] = []
-    done: dict[int, Episode] = {}
-    bar = tqdm(total=len(tasks), desc="rollout", unit="ep", disable=not progress)
+    done: dict[int, Episode] = dict(finished)
+    bar = tqdm(total=len(tasks), initial=len(done), desc="rollout", unit="ep", disable=not progress)
 
     def start(i: int) -> _Run:
         """A new live episode; its sandbox opens in the pool while its first action is sampled."""
@@ -366,6 +393,34 @@ def collect(
     return episodes
 
 
+def finished_in(path: str | Path, tasks: Sequence[Any]) -> dict[int, Episode]:
+    """The episodes that an interrupted ``collect(tasks, out_path=path)`` finished, by their index
+    in ``tasks`` (empty when ``path`` does not exist): pass them as ``collect(...,
+    finished=...)`` to run only the others. A torn last line (the writer was killed mid-line) is
+    cut from the file, so what ``collect`` appends next starts on a line of its own.
+
+    Raises:
+        ValueError: an episode in ``path`` that is not one of ``tasks`` (another collection's
+            file), naming the file and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    text = path.read_text()
+    episodes = list(read_jsonl(path))
+    out: dict[int, Episode] = {}
+    for ep in episodes:
+        i = ep.meta.get("index")
+        if not isinstance(i, int) or not 0 <= i < len(tasks) or tasks[i].task_id != ep.task_id or i in out:
+            raise ValueError(f"{path}: episode {ep.task_id} (index {i}) is not one of the {len(tasks)} episodes of "
+                             f"this collection, or is there twice; the file belongs to another collection. Fix: "
+                             f"delete {path} to collect them all again")
+        out[i] = ep
+    if text and not text.endswith("\n"):
+        write_jsonl(episodes, path)  # atomically, without the torn line
+    return out
+
+
 def _retire(live: list[_Run], finishing: list[Future], fin: ThreadPoolExecutor, verify: Callable) -> None:
     """Move stopped runs from ``live`` to the verifier pool (in place)."""
     keep = []
@@ -415,12 +470,16 @@ def _run_commands(run: _Run, commands: list[str], command_timeout: float) -> lis
         budget = min(command_timeout, run.remaining())
         if budget <= 0:
             break  # the episode's time is up; later blocks do not run
+        t0 = time.monotonic()
         try:
-            results.append(run.sandbox.run(cmd, timeout=budget))
+            result = run.sandbox.run(cmd, timeout=budget)
         except Exception as e:  # SandboxError or a crash inside the backend: this episode fails
             logger.warning("episode %d (%s): sandbox failed: %s: %s", run.index, run.task.task_id, type(e).__name__, e)
             run.error = f"sandbox failed: {type(e).__name__}: {e}"
             return None
+        # A timed-out command is charged its budget, not the kill's extra moments (which vary with load).
+        run.used_s += budget if result.timed_out else min(budget, time.monotonic() - t0)
+        results.append(result)
     return results
 
 
@@ -486,6 +545,7 @@ def _finish(run: _Run, verify: Callable[[Any, Any], Any]) -> Episode:
             run.error = f"verifier failed: {type(e).__name__}: {e}"
     _close(run)
     meta["wall_s"] = round(time.monotonic() - run.started, 3)
+    meta["command_s"] = round(run.used_s, 3)
     if run.turns == 0:  # never acted (the sandbox did not open): nothing to train on
         meta["no_action"] = True
     return Episode(

@@ -80,6 +80,7 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -608,20 +609,39 @@ def first_groups(indices: Sequence[int], episodes: Sequence[Episode], n_groups: 
 
 
 def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[..., Any] | None = None,
-                    progress: bool = True) -> RolloutFn:
+                    progress: bool = True, journal: str | Path | None = None) -> RolloutFn:
     """The default rollout: an ``HFSampler`` on the current actor, then ``rollout.collect``.
 
     ``rollout_cfg`` is the rollout helper's config (turn limit, max tokens, backend...); its
     ``seed`` is replaced per call. ``sampler_factory(actor, tokenizer)`` builds the sampler.
+
+    ``journal``: a directory where every call appends its episodes as they finish, to
+    ``rollout-<seed>.jsonl`` (the seed names the call: one per RPR step). A call whose file is
+    there already (a stage resumed after a kill or a dead server) takes the episodes it holds
+    and collects only the others; a call whose file is complete samples nothing. Replaying a
+    stage's finished steps from their episodes gives the updates they gave (same episodes, same
+    seeds), so a resumed stage loses no finished episode and collects none twice (``rundir``
+    keeps the journal of an unfinished stage).
     """
     factory = sampler_factory or (lambda model, tok: HFSampler(model, tok))
 
     def rollout_fn(actor: nn.Module, tasks: Sequence[Any], seed: int) -> list[Episode]:
         cfg = dataclasses.replace(rollout_cfg, seed=seed) if hasattr(rollout_cfg, "seed") else rollout_cfg
+        out_path, finished = None, {}
+        if journal is not None:
+            out_path = Path(journal) / f"rollout-{seed}.jsonl"
+            finished = rollout.finished_in(out_path, tasks)
+            if len(finished) == len(tasks):
+                logger.info("rollout %d: all %d episodes from the journal %s", seed, len(tasks), out_path)
+                return [finished[i] for i in range(len(tasks))]
+            if finished:
+                logger.info("rollout %d: %d of %d episodes from the journal %s; collecting the rest", seed,
+                            len(finished), len(tasks), out_path)
         was_training = actor.training
         actor.eval()
         try:
-            return rollout.collect(list(tasks), factory(actor, tokenizer), tokenizer, cfg, progress=progress)
+            return rollout.collect(list(tasks), factory(actor, tokenizer), tokenizer, cfg, out_path=out_path,
+                                   progress=progress, finished=finished)
         finally:
             actor.train(was_training)
 

@@ -3,11 +3,13 @@
 ``recipe.py`` says which stages run and what each computes; this module runs a list of stages
 (``run_stages``) so that an interrupted run can go on where it stopped. Its layout::
 
+    RUN_DIR/run.lock            held by the live run (minirsi.runlock): a second run here is refused
     RUN_DIR/config.yaml         the full RunConfig (a resumed run must match it)
     RUN_DIR/calibration.json    FDR/SPR scales D_f, computed once from the train suite, frozen
     RUN_DIR/tasks/<suite>/      the generated toy suites (deterministic in suites.seed)
     RUN_DIR/stages/NN-name/     actor/, critic/, optimizer.pt (sharded: optimizer/), rng.pt, metrics.jsonl,
                                 episodes*.jsonl, eval/<suite>.jsonl, eval.json, DONE.json
+    RUN_DIR/journal/NN-name/    an unfinished RPR stage's episodes, one file per step (below)
     RUN_DIR/metrics.jsonl       every update of every stage: {"stage", "step", metric: value}
     RUN_DIR/tb/                 the same metrics for TensorBoard (offline)
     RUN_DIR/results.json        stage -> suite -> {"mean_at_3", "by_difficulty", ...}
@@ -19,13 +21,28 @@ same way), so a kill during evaluation keeps the trained stage. What a stage did
 (an RSR stage's critic) passes through as hard links, so every stage directory holds the full
 checkpoint the next stage starts from. ``--resume`` deletes incomplete stage directories,
 drops their lines from ``metrics.jsonl``, and runs from the first stage that is not done:
-whatever finished is kept. Each stage seeds every RNG from (run seed, stage name), so a resumed
-run reproduces the stages an uninterrupted run would have produced (up to the
-non-determinism of concurrent sandboxes); a continuation branch instead restores the RNG and
-optimizer state its source stage saved, as if that stage had simply run longer.
+whatever finished is kept. Within an RPR stage the unit is the episode: each step's episodes are
+appended to ``journal/NN-name/rollout-<seed>.jsonl`` as they finish (``rpr.make_rollout_fn``),
+a directory the resume keeps, so the rerun stage replays its finished steps from their
+episodes (the same updates, no sampling) and collects only the episodes that the interrupted
+step had not finished (a kill, a full disk, an inference server that died with
+``serving.on_server_failure=fail``); the journal goes once the stage is done.
+
+Each stage seeds every RNG from (run seed, stage name), so a resumed run reproduces the stages
+an uninterrupted run would have produced, bit for bit on one machine, whatever its load
+(docs/experiments.md, "Load, machines and results"), except the episodes a resumed RPR step
+collects again, which share a batch with other episodes than they would have; a continuation
+branch instead restores the RNG and optimizer state its source stage saved, as if that stage
+had simply run longer.
+
+One run at a time: ``run_stages`` holds ``run.lock`` (an ``flock``, ``minirsi.runlock``) from
+before it reads the directory until it returns, so a second ``minirsi run`` or ``--resume`` on a
+live directory stops with an error naming the holder's PID instead of deleting the stage the
+holder is writing; the kernel drops the lock when its holder dies, so a dead run's lock is taken
+over.
 
 Sharded runs (torchrun / accelerate launch, ``minirsi.distributed``): every rank trains every
-stage; rank 0 alone owns the directory (markers, metrics, evaluation).
+stage; rank 0 alone owns the directory (the lock, markers, metrics, evaluation).
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ from tqdm import tqdm
 from minirsi import distributed
 from minirsi.atomic import atomic_write_json, atomic_write_text
 from minirsi.config import ConfigError, load_config, save_config, to_dict
+from minirsi.runlock import LOCK_NAME, RunLock
 
 if TYPE_CHECKING:  # recipe.py imports this module; the config's type is a hint here
     from minirsi.recipe import RunConfig
@@ -99,6 +117,7 @@ class RunDir:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.stages = self.root / "stages"
+        self.journals = self.root / "journal"
         self.config = self.root / "config.yaml"
         self.calibration = self.root / "calibration.json"
         self.tasks = self.root / "tasks"
@@ -108,6 +127,10 @@ class RunDir:
 
     def stage(self, spec: StageSpec) -> Path:
         return self.stages / spec.dirname
+
+    def journal(self, spec: StageSpec) -> Path:
+        """Where the stage's rollouts are journaled until it is done (the docstring above)."""
+        return self.journals / spec.dirname
 
     def done(self, spec: StageSpec) -> dict | None:
         """The stage's DONE.json record, or None when it has not finished."""
@@ -283,11 +306,34 @@ def run_stages(cfg: RunConfig, run_dir: str | Path, stages: Sequence[StageSpec],
             is listed), or a new run into a directory that already holds one.
         RunError: a stage failed (disk full, a dead sandbox, ...); finished stages are kept
             and the message gives the ``--resume`` command.
+        RunDirBusy: another live process holds the directory's lock (``minirsi.runlock``);
+            nothing was read or changed.
     """
     run_ = RunDir(run_dir)
     world = distributed.current()  # torchrun / accelerate: rank 0 owns the run directory
-    kept = _on_main(world, lambda: (_prepare_dir(cfg, run_, resume), _check_finished_in_plan(run_, stages),
-                                    _drop_incomplete(run_, stages))[2])
+    held: list[RunLock] = []  # rank 0's lock on the directory, until this function returns
+
+    def prepare() -> list[str]:
+        if resume and not run_.config.is_file():  # before the lock would create the directory
+            raise ConfigError(f"--resume {run_.root}: no config.yaml there, so it is not a minirsi run "
+                              f"directory; start a new run with --out {run_.root}")
+        held.append(RunLock.acquire(run_.root))  # RunDirBusy, naming the holder, while another run lives
+        _prepare_dir(cfg, run_, resume)
+        _check_finished_in_plan(run_, stages)
+        return _drop_incomplete(run_, stages)
+
+    try:
+        kept = _on_main(world, prepare)
+        return _run_locked(cfg, run_, stages, runner, resume, tensorboard, kept)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _run_locked(cfg: RunConfig, run_: RunDir, stages: Sequence[StageSpec], runner: Runner, resume: bool,
+                tensorboard: bool, kept: list[str]) -> dict:
+    """``run_stages`` once the directory is locked and prepared."""
+    world = distributed.current()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if resume:
@@ -333,9 +379,6 @@ def _failure(run_: RunDir, where: str, e: BaseException) -> str:
 def _prepare_dir(cfg: RunConfig, run_: RunDir, resume: bool) -> None:
     now = to_dict(cfg)
     if resume:
-        if not run_.config.is_file():
-            raise ConfigError(f"--resume {run_.root}: no config.yaml there, so it is not a minirsi run "
-                              f"directory; start a new run with --out {run_.root}")
         # Through load_config, so a field added since the run started reads as its default on both
         # sides (a run from before serving.* or rpr*.tis_cap existed still resumes).
         saved = to_dict(load_config(type(cfg), run_.config))
@@ -354,7 +397,7 @@ def _prepare_dir(cfg: RunConfig, run_: RunDir, resume: bool) -> None:
             logger.info("resume adds the branches %s", ", ".join(added))
             save_config(cfg, run_.config)
         return
-    if run_.root.exists() and any(run_.root.iterdir()):
+    if any(p.name != LOCK_NAME for p in run_.root.iterdir()):
         raise ConfigError(f"{run_.root} already holds a run; continue it with `minirsi run --resume "
                           f"{run_.root}` or pick a new --out directory")
     run_.stages.mkdir(parents=True, exist_ok=True)
@@ -378,6 +421,7 @@ def _drop_incomplete(run_: RunDir, stages: Sequence[StageSpec]) -> list[str]:
         d = run_.stage(spec)
         if run_.done(spec) is not None:
             finished.append(spec.name)
+            shutil.rmtree(run_.journal(spec), ignore_errors=True)  # killed between DONE.json and its removal
             if spec.evaluate and run_.eval_done(spec) is None and (d / "eval").exists():
                 shutil.rmtree(d / "eval")  # a half-written evaluation is redone
             continue
@@ -385,6 +429,8 @@ def _drop_incomplete(run_: RunDir, stages: Sequence[StageSpec]) -> list[str]:
         if d.exists():
             logger.info("removing the unfinished stage %s", d)
             shutil.rmtree(d)
+        if run_.journal(spec).is_dir():
+            logger.info("keeping the journaled episodes of %s in %s", spec.dirname, run_.journal(spec))
     drop_metrics_of(run_.metrics, unfinished)
     return finished
 
@@ -427,6 +473,7 @@ def _train_stage(cfg: RunConfig, run_: RunDir, runner: Runner, stages: Sequence[
               "actor_from": spec.actor_from, "critic_from": spec.critic_from, "extra_steps": spec.extra_steps,
               "wall_s": round(time.time() - t0, 2), "stats": {k: _jsonable(v) for k, v in (stats or {}).items()}}
     atomic_write_json(out / "DONE.json", record)  # last: the stage is finished once this exists
+    shutil.rmtree(run_.journal(spec), ignore_errors=True)  # its episodes are in the stage's episodes.jsonl
     logger.info("stage %s done in %.0f s", spec.dirname, record["wall_s"])
     world.barrier()
 

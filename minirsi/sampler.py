@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+_JITTER = random.Random()
+"""The retry backoff's jitter: its own generator, so that how often a server failed (timing)
+never moves the run's seeded ``random`` stream (``rundir.seed_everything``, saved in rng.pt)."""
 
 
 @dataclass
@@ -749,7 +752,7 @@ class OpenAISampler:
                     # A 4xx other than rate limiting will not get better by retrying.
                     raise OpenAISamplerError(f"{url} rejected the request: {last}")
             if attempt < self.max_retries:
-                delay = self.backoff * (2**attempt) * (0.5 + random.random())
+                delay = self.backoff * (2**attempt) * (0.5 + _JITTER.random())
                 logger.warning("%s: %s; retry %d/%d in %.1fs", url, last, attempt + 1, self.max_retries, delay)
                 time.sleep(delay)
         raise ServerDown(server, f"{url}: gave up after {self.max_retries + 1} attempts; last error: {last}")

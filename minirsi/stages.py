@@ -205,6 +205,16 @@ class RecipeRunner:
             logger.info("Base: reusing the pretrained model cached in %s", cached)
             return {"source": str(cached)}
         metrics = pretrain(cfg.base.pretrain, out / "actor")
+        steps, want = metrics.get("steps"), cfg.base.pretrain.max_steps
+        if want and steps is not None and steps < want:
+            # Stopped by base.pretrain.minutes: this Base depends on the machine's speed and load,
+            # so it must not become the cached Base every later run of this config starts from.
+            logger.warning("Base: pretraining stopped by its time budget (base.pretrain.minutes=%g) after %d of "
+                           "max_steps=%d steps; this Base depends on the machine's speed and load and is not "
+                           "cached. Raise base.pretrain.minutes for the reproducible Base",
+                           cfg.base.pretrain.minutes, steps, want)
+            cached = None
+            metrics["time_capped"] = True
         if cached is not None:
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
@@ -243,10 +253,12 @@ class RecipeRunner:
         return out_stats
 
     @staticmethod
-    def _rollout_fn(cfg: RunConfig, tok: Any, temperature: float | None = None, sync: Any = None) -> Callable:
-        """In-process sampling, or, given a ``WeightSync``, its servers' sampler."""
+    def _rollout_fn(cfg: RunConfig, tok: Any, temperature: float | None = None, sync: Any = None,
+                    journal: Path | None = None) -> Callable:
+        """In-process sampling, or, given a ``WeightSync``, its servers' sampler; ``journal``:
+        ``make_rollout_fn``'s (a resumed stage collects only what it had not finished)."""
         rcfg = cfg.rollout if temperature is None else dataclasses.replace(cfg.rollout, temperature=temperature)
-        return make_rollout_fn(tok, rcfg, None if sync is None else (lambda model, tok_: sync.sampler))
+        return make_rollout_fn(tok, rcfg, None if sync is None else (lambda model, tok_: sync.sampler), journal=journal)
 
     @staticmethod
     def _actor(cfg: RunConfig, path: Path | None, keep_unsharded: bool = True) -> tuple[Any, Any]:
@@ -344,7 +356,8 @@ class RecipeRunner:
         if push is not None:
             log(offset, {"phase": "sync", **push(actor)})  # the servers start from this stage's actor
         with JsonlWriter(out / "episodes.jsonl") as writer:
-            rollout_fn = world.rollout_fn(_recording(self._rollout_fn(cfg, tok, stage_cfg.temperature, sync), writer),
+            sample = self._rollout_fn(cfg, tok, stage_cfg.temperature, sync, journal=run_.journal(spec))
+            rollout_fn = world.rollout_fn(_recording(sample, writer),
                                           gather=not cfg.serving.servers)  # servers sample: no gather per rollout
             history = run_rpr(actor, critic, tok, self.tasks(cfg, run_, "train"), stage_cfg, rollout_fn,
                               self.scales(run_), log_fn=lambda rec: log(offset + int(rec["step"]), rec),

@@ -323,6 +323,8 @@ def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
     import signal
     import time
 
+    from minirsi.runlock import RunDirBusy, RunLock
+
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python",
@@ -334,8 +336,12 @@ def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
         while not (out / "stages/02-warmup/DONE.json").exists() and job.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert (out / "stages/02-warmup/DONE.json").exists(), "the 2-process run never finished the warm-up"
+        with pytest.raises(RunDirBusy) as busy:  # the live 2-process run holds the directory
+            RunLock.acquire(out)
         ranks = _descendants(job.pid)  # torchrun starts each rank in a session of its own
         assert len(ranks) >= 2, ranks
+        holder = busy.value.holder["pid"]
+        assert holder in ranks and f"pid {holder} " in str(busy.value)  # rank 0 holds it for its launch
         os.killpg(job.pid, signal.SIGKILL)  # the launcher, mid-run: the ranks must follow it
         job.wait(30)
         deadline = time.time() + 30
@@ -351,6 +357,7 @@ def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
     done_before = (out / "stages/01-rsr1/DONE.json").read_text()
     proc = minirsi_run(["run", "--resume", str(out), "--no-report"], resume_nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"taking over the lock of pid {holder}" in proc.stderr  # the dead rank 0's lock
     _check_run(out)
     assert (out / "stages/01-rsr1/DONE.json").read_text() == done_before  # finished stages are kept
 

@@ -279,6 +279,23 @@ def test_base_cache_pretrains_once(tmp_path, monkeypatch):
     assert stages.base_cache_path(other) != stages.base_cache_path(cfg)
 
 
+def test_a_base_cut_short_by_the_time_budget_is_not_cached(tmp_path, monkeypatch, caplog):
+    def stopped_by_the_clock(cfg, out_dir, **kw):  # a loaded machine: 5 of max_steps=7 in the budget
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text("{}")
+        return {"steps": 5}
+
+    monkeypatch.setattr(stages, "pretrain", stopped_by_the_clock)
+    cfg = small_cfg(f"base.cache_dir={tmp_path / 'cache'}", "base.pretrain.max_steps=7")
+    out = tmp_path / "run"
+    out.mkdir()
+    with caplog.at_level("WARNING", logger="minirsi.stages"):
+        stats = stages.RecipeRunner().train(cfg, RunDir(out), plan(cfg)[0], rundir.StageInputs(None, None, None, None),
+                                            out, lambda *a: None)
+    assert stats["time_capped"] is True and "not cached" in caplog.text
+    assert not stages.base_cache_path(cfg).exists()  # later runs pretrain their own, not this one
+
+
 # -------------------------------------------------------------------------------- resume
 
 
@@ -319,6 +336,33 @@ def test_resume_after_kill_loses_nothing_finished(tmp_path, kill_in, kill_in_eva
     key = lambda lines: sorted((json.loads(x)["stage"], json.loads(x)["step"]) for x in lines)  # noqa: E731
     assert key(resumed) == key(clean)
     assert not list((run_dir / "stages").rglob("half-written.bin"))
+
+
+class Journaling(FakeRunner):
+    """Appends a line to RPR-1's journal at each attempt, noting what the attempt found there."""
+
+    found: str | None = None
+
+    def train(self, cfg, run, spec, inputs, out, log):
+        if spec.name == "rpr1":
+            path = run.journal(spec) / "rollout-1.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.found = path.read_text() if path.exists() else None
+            with path.open("a") as f:
+                f.write("an episode\n")
+        return super().train(cfg, run, spec, inputs, out, log)
+
+
+def test_an_unfinished_stages_journal_is_kept_by_the_resume_and_goes_once_the_stage_is_done(tmp_path):
+    run_dir = tmp_path / "run"
+    first = Journaling(kill_in="rpr1")
+    with pytest.raises(SimulatedKill):
+        run_fake(small_cfg(), run_dir, first)
+    assert first.found is None and not (run_dir / "stages" / "03-rpr1" / "DONE.json").exists()
+    second = Journaling()
+    run_fake(small_cfg(), run_dir, second, resume=True)
+    assert second.found == "an episode\n"  # what the killed attempt journaled
+    assert not (run_dir / "journal" / "03-rpr1").exists()  # in the stage's own files now
 
 
 def test_resume_with_a_different_config_says_what_differs(tmp_path):
@@ -423,6 +467,72 @@ def test_sigkill_mid_stage_then_resume(tmp_path):
     assert set(results) == {"base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo"}
     lines = [json.loads(x) for x in run.metrics.read_text().splitlines()]
     assert len([x for x in lines if x["stage"] == "rpr1"]) == 3  # the killed attempt's line is gone
+
+
+HOLDER_SCRIPT = """
+import sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+from test_pipeline import FakeRunner, small_cfg
+from minirsi import recipe
+
+class Holding(FakeRunner):
+    def train(self, cfg, run, spec, inputs, out, log):
+        if spec.name == "rpr1":
+            (out / "half-written.bin").write_text("partial")
+            print("READY", flush=True)
+            sys.stdin.read()  # holds the run (and its lock) until the test closes stdin or kills it
+        return super().train(cfg, run, spec, inputs, out, log)
+
+recipe.run(small_cfg(), {run_dir!r}, runner=Holding(), tensorboard=False)
+"""
+
+
+@pytest.fixture()
+def holder(tmp_path):
+    """A live run in ``tmp_path/run``, stopped inside RPR-1 (it holds the run's lock)."""
+    run_dir = tmp_path / "run"
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests"), run_dir=str(run_dir)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY", "the holder never reached RPR-1"  # blocks: no polling
+        yield proc, run_dir
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def test_a_second_run_on_a_live_run_dir_is_refused_naming_the_holders_pid(holder, capsys):
+    from minirsi.runlock import RunDirBusy
+
+    proc, run_dir = holder
+    half = run_dir / "stages" / "03-rpr1" / "half-written.bin"
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    with pytest.raises(RunDirBusy, match=f"pid {proc.pid} ") as e:  # --resume would delete the live stage
+        run_fake(small_cfg(), run_dir, FakeRunner(), resume=True)
+    assert e.value.holder["pid"] == proc.pid and "kill" in str(e.value)
+    with pytest.raises(RunDirBusy, match=f"pid {proc.pid} "):  # a new run there too (not "already holds a run")
+        run_fake(small_cfg(), run_dir, FakeRunner())
+    assert recipe.cli(["--resume", str(run_dir), "--no-report"]) == 1  # the command line: one clear line
+    assert f"in use: pid {proc.pid} " in capsys.readouterr().err
+    assert half.is_file() and (run_dir / "metrics.jsonl").read_bytes() == metrics  # nothing touched
+    proc.stdin.close()  # the holder goes on and finishes its run
+    assert proc.wait(60) == 0
+    assert set(json.loads((run_dir / "results.json").read_text())) >= {"rpr1", "rpr2"}
+
+
+def test_a_dead_runs_lock_is_taken_over(holder, caplog):
+    proc, run_dir = holder
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == proc.pid  # its record stays behind
+    with caplog.at_level("WARNING", logger="minirsi.runlock"):
+        results = run_fake(small_cfg(), run_dir, FakeRunner(), resume=True)
+    assert f"taking over the lock of pid {proc.pid}" in caplog.text
+    assert set(results) == {"base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo"}
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == os.getpid()
 
 
 # -------------------------------------------------------------------------------- the real thing

@@ -88,7 +88,8 @@ def test_batches_cover_every_index_once():
 
 def test_pretrain_lowers_loss_and_saves_loadable_model(tmp_path):
     # threads=2 holds for the pretraining only: the recipe's later stages keep their setting.
-    cfg = PretrainConfig(sessions=60, val_sessions=8, minutes=5, max_steps=40, batch_size=8,
+    # max_steps decides, not the clock: minutes=5 let a loaded machine stop it after 12 of 40 steps.
+    cfg = PretrainConfig(sessions=60, val_sessions=8, minutes=120, max_steps=40, batch_size=8,
                          vocab_size=400, warmup_steps=5, log_every=5, lr=3e-3, threads=2)
     before = torch.get_num_threads()
     torch.set_num_threads(1)

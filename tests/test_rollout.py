@@ -293,6 +293,40 @@ def test_context_and_time_limits(tok):
     check_invariants(eps[0])
 
 
+class _SlowSampler(ScriptedSampler):
+    """Generation that takes ``delay`` seconds a call: what a big batch or a loaded machine does."""
+
+    def __init__(self, tok, scripts, delay: float):
+        super().__init__(tok, scripts)
+        self.delay = delay
+
+    def generate(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return super().generate(*args, **kwargs)
+
+
+class _TimingOut(Sandboxes):
+    """Sandboxes whose every command comes back at once as timed out (as if killed at its budget)."""
+
+    def __call__(self, task, backend):
+        sb = super().__call__(task, backend)
+        sb.run = lambda command, timeout: Result(output="", exit_code=None, timed_out=True)
+        return sb
+
+
+def test_the_time_limit_counts_the_episodes_own_command_time_not_the_wait_for_generation(tok):
+    scripts = {"t0": ["```bash\nls\n```"] * 10}
+    # 6 generation calls of >= 0.2 s each: over the 0.5 s limit in wall time, ~0 s of command time.
+    eps = collect(tasks(1), _SlowSampler(tok, scripts, delay=0.2), tok, cfg(max_turns=6, episode_timeout=0.5),
+                  progress=False, open_sandbox=Sandboxes(), verify=fake_verify)
+    assert (eps[0].stop_reason, eps[0].turns) == ("max_turns", 6) and eps[0].meta["wall_s"] > 1.0
+    assert eps[0].meta["command_s"] < 0.5
+    # A timed-out command is charged its whole budget however quickly it was killed: 10 + 10 + 5 = 25.
+    eps = collect(tasks(1), ScriptedSampler(tok, scripts), tok, cfg(max_turns=10, command_timeout=10.0,
+                  episode_timeout=25.0), progress=False, open_sandbox=_TimingOut(), verify=fake_verify)
+    assert (eps[0].stop_reason, eps[0].turns, eps[0].meta["command_s"]) == ("timeout", 3, 25.0)
+
+
 def test_jsonl_streams_episodes_and_survives_interruption(tok, tmp_path):
     # t0 finishes at step 1, t1 at step 2; the sampler is interrupted at step 3 while t2 is live.
     scripts = {"t0": ["TASK_COMPLETE"], "t1": ["```bash\nls\n```", "TASK_COMPLETE"], "t2": ["```bash\nls\n```"]}
@@ -308,6 +342,34 @@ def test_jsonl_streams_episodes_and_survives_interruption(tok, tmp_path):
     with out.open("a") as f:  # a process killed mid-write leaves a torn last line
         f.write(out.read_text().splitlines()[0][:50])
     assert [e.task_id for e in read_jsonl(out)] == [e.task_id for e in kept]
+
+
+def test_a_resumed_collection_runs_only_the_episodes_it_had_not_finished(tok, tmp_path):
+    from minirsi.rollout import finished_in
+
+    # As above: t0 and t1 finish, the collection is interrupted while t2 is live, t3 never started.
+    scripts = {"t0": ["TASK_COMPLETE"], "t1": ["```bash\nls\n```", "TASK_COMPLETE"], "t2": ["```bash\nls\n```"],
+               "t3": ["```bash\nsolve\n```", "TASK_COMPLETE"]}
+    out, todo = tmp_path / "eps.jsonl", tasks(4)
+    with pytest.raises(KeyboardInterrupt):
+        collect(todo, ScriptedSampler(tok, scripts, fail_after_steps=2), tok, cfg(max_turns=8, concurrency=3),
+                out_path=out, progress=False, open_sandbox=Sandboxes(), verify=fake_verify)
+    before = out.read_text()
+    with out.open("a") as f:  # and it was killed writing a line
+        f.write(before.splitlines()[0][:50])
+    finished = finished_in(out, todo)
+    assert sorted(finished) == [0, 1] and out.read_text() == before  # the torn line is cut off
+    again = Sandboxes()
+    eps = collect(todo, ScriptedSampler(tok, scripts), tok, cfg(max_turns=8, concurrency=3), out_path=out,
+                  progress=False, open_sandbox=again, verify=fake_verify, finished=finished)
+    assert sorted(sb.task.task_id for sb in again.opened) == ["t2", "t3"]  # only what had not finished
+    assert [e.task_id for e in eps] == ["t0", "t1", "t2", "t3"] and eps[0] is finished[0]
+    lines = out.read_text().splitlines()
+    assert out.read_text().startswith(before)  # the finished episodes' lines untouched, the new ones after them
+    assert sorted(json.loads(x)["meta"]["index"] for x in lines) == [0, 1, 2, 3]  # each episode once
+    assert finished_in(out, todo).keys() == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match=f"{out}.*another collection.*delete"):  # a journal of other tasks
+        finished_in(out, tasks(2)[::-1])
 
 
 def test_atif_export_carries_the_exact_action_ids(tok, tmp_path):

@@ -4,6 +4,7 @@ Qwen3, the config, and (slow) an RPR phase on a toy task that raises mean reward
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
 
@@ -29,6 +30,7 @@ from minirsi.rpr import (
     uniform_groups,
     whiten,
 )
+from test_rollout import model, tok  # noqa: F401  (fixtures: a ChatML tokenizer and a tiny actor on it)
 from tiny import VOCAB, tiny_qwen
 
 
@@ -570,6 +572,94 @@ def test_first_groups_keeps_whole_groups_in_order_of_appearance():
     eps = _group_episodes({"x": [True, False], "y": [True, False], "z": [False, True]})
     assert [eps[i].task_id for i in first_groups(range(6), eps, 2)] == ["x", "x", "y", "y"]
     assert first_groups([4, 5, 0], eps, 1) == [4, 5]
+
+
+# ----------------------------------------------------------------------------- resume from the journal
+
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL (or a dead server with on_server_failure=fail) in one process."""
+
+
+class _KillAt:
+    """A sampler that dies at its ``at``-th generate call."""
+
+    def __init__(self, inner, at: int):
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def clear_cache(self):
+        self.inner.clear_cache()
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise _Killed()
+        return self.inner.generate(*args, **kwargs)
+
+
+def _journaled_phase(model, tok, journal, monkeypatch, kill_step=None, kill_call=1):
+    """run_rpr (1 calibration + 2 joint steps of 4 episodes) on the tiny model and fake sandboxes,
+    journaled in ``journal``; the sampler of step ``kill_step`` dies at generate call ``kill_call``.
+    Returns (history or None when killed, actor, critic, the sandboxes opened)."""
+    from minirsi import rollout
+    from minirsi.rpr import make_rollout_fn
+    from minirsi.sampler import HFSampler
+    from test_rollout import Sandboxes, Verdict, cfg as rollout_cfg, tasks
+
+    def verify(sandbox, task):  # P by task (the random model writes no command): rewards that differ
+        passed = {"t0": 2, "t1": 1, "t2": 0}[task.task_id]
+        return Verdict(passed == 2, passed, 2, {})
+
+    opened = Sandboxes()
+    monkeypatch.setattr(rollout, "open_sandbox", opened)  # what rollout._default_open calls
+    monkeypatch.setattr(rollout, "verify", verify)
+    actor = copy.deepcopy(model).train()
+    critic = build_critic(actor)
+    samplers = []
+
+    def factory(m, t):  # one sampler per collection that is not replayed from the journal
+        samplers.append(_KillAt(HFSampler(m, t), kill_call if len(samplers) == kill_step else 0))
+        return samplers[-1]
+
+    rollout_fn = make_rollout_fn(tok, rollout_cfg(max_turns=2, concurrency=2), factory, progress=False,
+                                 journal=journal)
+    cfg = RPRConfig(episodes_per_step=4, steps=2, critic_calibration_updates=1, minibatch_size=4, ppo_epochs=1,
+                    lr_actor=1e-3, reward="fdr", seed=0)
+    try:
+        history = run_rpr(actor, critic, tok, tasks(3), cfg, rollout_fn, {"toy": 2.0})
+    except _Killed:
+        history = None
+    return history, actor, critic, opened.opened
+
+
+def _untimed(history) -> str:
+    return json.dumps([{k: v for k, v in h.items() if k not in ("rollout_s", "update_s")} for h in history])
+
+
+def test_a_killed_rpr_phase_resumes_from_its_journal_and_ends_on_the_same_weights(model, tok, tmp_path, monkeypatch):
+    clean, actor_a, critic_a, _ = _journaled_phase(model, tok, tmp_path / "a", monkeypatch)
+    killed, *_ = _journaled_phase(model, tok, tmp_path / "b", monkeypatch, kill_step=2, kill_call=1)
+    assert killed is None and (tmp_path / "b" / "rollout-2.jsonl").read_text() == ""  # died before any episode
+    resumed, actor_b, critic_b, opened = _journaled_phase(model, tok, tmp_path / "b", monkeypatch)
+    assert len(opened) == 4  # steps 0 and 1 replayed from the journal: only step 2 is collected
+    assert _untimed(resumed) == _untimed(clean)  # the same updates, metric for metric
+    assert fingerprint(actor_a) != fingerprint(model)  # the joint steps moved the actor
+    assert fingerprint(actor_b) == fingerprint(actor_a) and fingerprint(critic_b) == fingerprint(critic_a)
+
+
+def test_a_step_killed_midway_collects_only_its_unfinished_episodes(model, tok, tmp_path, monkeypatch):
+    from minirsi.episode import read_jsonl
+
+    killed, *_ = _journaled_phase(model, tok, tmp_path, monkeypatch, kill_step=1, kill_call=3)
+    step1 = tmp_path / "rollout-1.jsonl"
+    before = step1.read_text()
+    finished = {e.meta["index"] for e in read_jsonl(step1)}
+    assert killed is None and 0 < len(finished) < 4  # 2 live episodes at a time: some had finished
+    resumed, _, _, opened = _journaled_phase(model, tok, tmp_path, monkeypatch)
+    assert len(resumed) == 3
+    assert len(opened) == (4 - len(finished)) + 4  # the rest of step 1, then step 2
+    assert step1.read_text().startswith(before)  # the finished episodes are kept as they were
+    assert sorted(e.meta["index"] for e in read_jsonl(step1)) == [0, 1, 2, 3]  # none lost, none twice
 
 
 # ----------------------------------------------------------------------------- end to end

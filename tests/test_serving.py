@@ -185,6 +185,20 @@ def test_every_server_down_is_an_error_naming_them(servers, tok):
         sampler.generate([[1, 2, 3]], 4, 1.0, [])
 
 
+def test_retries_leave_the_runs_seeded_random_stream_alone():
+    import random
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: every attempt is refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    random.seed(0)
+    expected = random.Random(0).random()
+    with pytest.raises(ServerDown):
+        OpenAISampler([dead], "policy", max_retries=2, backoff=0.001).generate([[1, 2, 3]], 4, 1.0, [])
+    assert random.random() == expected  # how often a server failed (timing) is not in the run's stream
+
+
 # ---------------------------------------------------------------- weight sync
 
 
@@ -585,6 +599,133 @@ def test_recipe_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_path)
     ids = _probe(tok_)
     for p in (a, b):
         assert _gap(server_prompt_logprobs(p.url, "policy", ids), _trainer_logprobs(final, ids)) <= TOL
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _OpenCounter:
+    """``rollout.open_sandbox`` counting the sandboxes opened; runs ``kill`` as the ``at``-th opens."""
+
+    def __init__(self, at: int = 0, kill=None):
+        from minirsi import sandbox
+
+        self.open, self.at, self.kill, self.count = sandbox.open_sandbox, at, kill, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, task, backend):
+        with self.lock:
+            self.count += 1
+            fire = self.count == self.at
+        if fire:
+            self.kill()
+        return self.open(task, backend=backend)
+
+
+def _rpr_on_servers(tmp_path, servers, policy):
+    """A Base and RPR-1 (1 calibration + 2 joint steps of 6 episodes, 2 live at a time) sampling
+    on ``servers``; returns (config, run dir, stage list, episodes per step)."""
+    from minirsi import recipe
+    from minirsi.config import load_config
+    from minirsi.rundir import StageSpec
+
+    overrides = [
+        f"base.model={tmp_path / 'base'}", f"serving.servers=[{','.join(servers)}]", "serving.max_retries=1",
+        f"serving.on_server_failure={policy}", "suites.train=4", "suites.core=1", "eval.suites=[core]",
+        "rollout.max_turns=2", "rollout.max_new_tokens=16", "rollout.command_timeout=5", "rollout.concurrency=2",
+        "rpr1.steps=2", "rpr1.critic_calibration_updates=1", "rpr1.episodes_per_step=6", "rpr1.minibatch_size=6",
+    ]
+    plan = [StageSpec(0, "base", "base", "Base", evaluate=False),
+            StageSpec(1, "rpr1", "rpr", "RPR-1", actor_from="base", config_key="rpr1", evaluate=False)]
+    return load_config(recipe.RunConfig, None, overrides), tmp_path / "run", plan, 6
+
+
+def _steps_of(cfg, run_dir, per_step):
+    """The stage's episodes.jsonl cut into steps, and the task ids each step was drawn for."""
+    from minirsi.episode import read_jsonl
+    from minirsi.rpr import task_stream
+    from minirsi.rundir import RunDir, stage_seed
+    from minirsi.stages import RecipeRunner
+
+    eps = list(read_jsonl(run_dir / "stages" / "01-rpr1" / "episodes.jsonl"))
+    steps = [eps[i:i + per_step] for i in range(0, len(eps), per_step)]
+    train = RecipeRunner().tasks(cfg, RunDir(run_dir), "train")
+    stream = task_stream(train, per_step, stage_seed(cfg.seed, "rpr1"), 1)
+    return steps, [[t.task_id for t in next(stream)] for _ in steps]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_server_killed_mid_step_with_retry_the_step_finishes_on_the_other(procs, tmp_path, monkeypatch):
+    """RPR-1 on two `minirsi serve` processes; one is SIGKILLed as joint step 1 admits its third
+    episode (two had finished on the servers): the step finishes on the other server, every
+    step has its 6 episodes, each once, none cut short, and the later syncs leave the dead one out."""
+    from minirsi import rollout
+    from minirsi.rundir import run_stages
+    from minirsi.stages import RecipeRunner
+
+    tok_ = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
+    save_actor(build_tiny_actor(tok_, seed=0), tok_, tmp_path / "base")
+    a, b = procs(tmp_path / "base", 2)
+    cfg, run_dir, plan, n = _rpr_on_servers(tmp_path, [a.url, b.url], "retry")
+    opens = _OpenCounter(at=n + 3, kill=lambda: (os.kill(b.proc.pid, signal.SIGKILL), b.proc.wait()))
+    monkeypatch.setattr(rollout, "open_sandbox", opens)  # what rollout._default_open calls
+    run_stages(cfg, run_dir, plan, RecipeRunner(), tensorboard=False)
+    assert b.proc.poll() is not None and opens.count == 3 * n  # killed; nothing collected twice
+    steps, drawn = _steps_of(cfg, run_dir, n)
+    assert [[e.task_id for e in step] for step in steps] == drawn  # 3 steps, each its 6 draws, in order
+    assert all([e.meta["index"] for e in step] == list(range(n)) for step in steps)
+    assert all(e.error is None and e.stop_reason in ("done", "max_turns") and e.turns > 0 for s in steps for e in s)
+    syncs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sync_servers"] for r in syncs if "sync_s" in r] == [2, 1, 1]  # start, after step 1, after step 2
+    assert not (run_dir / "journal" / "01-rpr1").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_server_killed_mid_step_with_fail_the_resume_collects_only_what_had_not_finished(procs, tmp_path,
+                                                                                              monkeypatch):
+    """As above with on_server_failure=fail: the run stops naming the dead server, with the
+    step's finished episodes in its journal; the server comes back on its port; --resume replays
+    the finished steps, keeps the finished episodes as they were and collects only the others."""
+    from minirsi import rollout
+    from minirsi.episode import read_jsonl
+    from minirsi.rundir import RunError, run_stages
+    from minirsi.stages import RecipeRunner
+
+    tok_ = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
+    save_actor(build_tiny_actor(tok_, seed=0), tok_, tmp_path / "base")
+    port = _free_port()
+    a, b = procs(tmp_path / "base", 1)[0], procs(tmp_path / "base", 1, "--port", str(port))[0]
+    cfg, run_dir, plan, n = _rpr_on_servers(tmp_path, [a.url, b.url], "fail")
+    monkeypatch.setattr(rollout, "open_sandbox",
+                        _OpenCounter(at=n + 3, kill=lambda: (os.kill(b.proc.pid, signal.SIGKILL), b.proc.wait())))
+    with pytest.raises(RunError, match=f"server {b.url}.*stopped answering"):
+        run_stages(cfg, run_dir, plan, RecipeRunner(), tensorboard=False)
+    journal = sorted((run_dir / "journal" / "01-rpr1").glob("rollout-*.jsonl"),
+                     key=lambda p: int(p.stem.split("-")[1]))
+    assert len(journal) == 2  # step 0 complete, step 1 interrupted
+    assert sorted(e.meta["index"] for e in read_jsonl(journal[0])) == list(range(n))
+    kept = {e.meta["index"]: e for e in read_jsonl(journal[1])}
+    assert 0 < len(kept) < n, kept.keys()  # what step 1 had finished when the server died
+
+    (b2,) = procs(tmp_path / "base", 1, "--port", str(port))  # the server is back, at its URL
+    assert b2.url == b.url
+    opens = _OpenCounter()
+    monkeypatch.setattr(rollout, "open_sandbox", opens)
+    run_stages(cfg, run_dir, plan, RecipeRunner(), resume=True, tensorboard=False)
+    assert opens.count == (n - len(kept)) + n  # step 0 replayed, the rest of step 1, step 2
+    steps, drawn = _steps_of(cfg, run_dir, n)
+    assert [[e.task_id for e in step] for step in steps] == drawn
+    assert all([e.meta["index"] for e in step] == list(range(n)) for step in steps)  # none lost, none twice
+    assert all(steps[1][i] == ep for i, ep in kept.items())  # the finished episodes, as they were
+    assert all(e.error is None for step in steps for e in step)
+    assert not (run_dir / "journal" / "01-rpr1").exists()
 
 
 def test_a_run_started_before_the_serving_fields_still_resumes(tmp_path):
