@@ -110,8 +110,7 @@ def test_pretrain_lowers_loss_and_saves_loadable_model(tmp_path):
 
 @pytest.mark.slow
 def test_pretrain_cli_smoke(tmp_path, monkeypatch):
-    """The entry point end to end, in a subprocess, on the toy corpus (skipped until it exists)."""
-    pytest.importorskip("toy_envs.corpus")
+    """The entry point end to end, in a subprocess, on the toy corpus (toy_envs/corpus.py)."""
     r = subprocess.run(
         [sys.executable, "-m", "minirsi.cli", "pretrain", "--out", str(tmp_path / "b"), "--minutes", "0.1",
          "--sessions", "50", "--quiet", "val_sessions=4", "max_steps=5", "batch_size=4"],
