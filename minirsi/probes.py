@@ -140,13 +140,11 @@ def bandit(
     later_turns: int | None = None,
     later_tokens: int = 1,
     reward_values: tuple[float, float] = (0.0, 1.0),
-    stop_at: float | None = None,
 ) -> list[float]:
     """``calibration`` critic-only steps, then ``steps`` PPO steps on the bandit.
 
-    Returns p_rewarded before the first joint step and after each one (``steps + 1`` values;
-    fewer with ``stop_at``: the run stops once p_rewarded >= ``stop_at``). ``critic`` is a
-    ``ValueModel`` or ``ZeroCritic``; the layout keywords are ``bandit_episodes``'s.
+    Returns p_rewarded before the first joint step and after each one (``steps + 1`` values).
+    ``critic`` is a ``ValueModel`` or ``ZeroCritic``; the layout keywords are ``bandit_episodes``'s.
     """
     torch.manual_seed(seed)
     reward_set = set(rewarded)
@@ -156,8 +154,6 @@ def bandit(
         joint = step >= calibration
         if joint and not curve:
             curve.append(p_rewarded(actor, prompt, rewarded))
-        if stop_at is not None and curve and curve[-1] >= stop_at:
-            break
         actor.eval()
         episodes, rewards = bandit_episodes(HFSampler(actor, prefix_cache=False), prompt, reward_set,
                                             episodes_per_step, seed * 1000 + step, obs_len, later_turns,
