@@ -80,10 +80,10 @@ def test_the_critic_baseline_is_what_solves_the_offset_bandit(seed):
     the 1-point difference is lost in that noise; the critic's baseline turns them into ~-0.1 and
     ~0.9. Measured over seeds 0-7, 40 joint steps: with the critic P(rewarded) >= 0.9 after 29-33
     steps, 0.98-0.99 at the end; with V = 0, 0.07-0.16 at the end."""
-    with_critic, without = _probe("offset", "fresh", seed, 40), _probe("offset", "zero", seed, 40)
-    assert with_critic[0] <= 0.15 and without[0] <= 0.15, (with_critic[0], without[0])
-    assert with_critic[-1] >= 0.9, with_critic
-    assert without[-1] <= 0.3, without
+    with_critic = _probe("offset", "fresh", seed, 40)
+    assert with_critic[0] <= 0.15 and with_critic[-1] >= 0.9, with_critic
+    without = _probe("offset", "zero", seed, 40)
+    assert without[0] <= 0.15 and without[-1] <= 0.3, without
 
 
 def test_an_inherited_critic_starts_where_a_fresh_one_needs_steps_to_get(seed=0):
