@@ -321,6 +321,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("resume_nproc", [1, 2])
 def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
     import signal
+    import threading
     import time
 
     from minirsi.runlock import RunDirBusy, RunLock
@@ -329,12 +330,19 @@ def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python",
            "minirsi", "run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES]
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            start_new_session=True)
+    warm = threading.Event()
+
+    def watch() -> None:  # event-driven: the run's own log line, read as it is written (no polling)
+        for line in job.stderr:  # drained to the end, so no rank ever blocks on a full pipe
+            if b"stage 02-warmup done" in line:  # rundir._train_stage logs it after writing DONE.json
+                warm.set()
+        warm.set()  # the run ended (or was killed) without it: the assertion below says so
+
+    threading.Thread(target=watch, daemon=True).start()
     try:
-        deadline = time.time() + 800
-        while not (out / "stages/02-warmup/DONE.json").exists() and job.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
+        warm.wait(800)
         assert (out / "stages/02-warmup/DONE.json").exists(), "the 2-process run never finished the warm-up"
         with pytest.raises(RunDirBusy) as busy:  # the live 2-process run holds the directory
             RunLock.acquire(out)

@@ -51,12 +51,17 @@ def test_no_episodes_is_an_error():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.lists(st.booleans(), min_size=3, max_size=3), min_size=1, max_size=8))
-def test_mean_at_k_is_the_mean_of_per_task_means(outcomes):
+@given(st.lists(st.lists(st.booleans(), min_size=3, max_size=3), min_size=1, max_size=8), st.randoms())
+def test_with_k_attempts_each_mean_at_k_is_the_pooled_success_rate_in_any_order(outcomes, rng):
+    # Not the code's formula (a mean of per-task means) restated: when every task has exactly k
+    # attempts it must equal the plain share of successful episodes, however the episodes are
+    # ordered. (Where the counts differ the two part: test_a_task_with_fewer_attempts_counts_once.)
     eps = [ep(f"t{i}", s) for i, row in enumerate(outcomes) for s in row]
+    rng.shuffle(eps)
     r = ev.summarise(eps, k=3)
-    assert r["mean_at_3"] == pytest.approx(sum(sum(row) / 3 for row in outcomes) / len(outcomes))
-    assert 0.0 <= r["mean_at_3"] <= 1.0
+    successes = sum(sum(row) for row in outcomes)
+    assert r["mean_at_3"] == pytest.approx(successes / (3 * len(outcomes)))
+    assert (r["n_tasks"], r["n_episodes"]) == (len(outcomes), 3 * len(outcomes))
 
 
 def test_evaluate_runs_k_attempts_per_task_and_writes_episodes(tmp_path, monkeypatch):

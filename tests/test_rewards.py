@@ -99,10 +99,28 @@ def test_bad_input_raises_naming_the_value(call, match):
 # --------------------------------------------------------------------------- FDR and SPR
 
 
+@pytest.mark.parametrize("passed, family, expected", [
+    (0, "files", 0.0),      # nothing passed
+    (9, "files", 0.5),      # D_files = 18 (counts [20, 4, 10] at q = 0.9): 9 / 18
+    (18, "files", 1.0),     # P = D_f
+    (27, "files", 1.5),     # 27 / 18, not clipped
+    (5, "one", 5 / 3),      # a family of one calibration task: D = its count, 3
+    (41, "git", 0.5),       # a family with no calibration tasks: the fallback, 41 / 82
+    (41, "unseen", 0.5),    # a family never calibrated: the fallback too
+])
+def test_fdr_hand_worked(passed, family, expected):
+    scales = calibrate({"files": [20, 4, 10], "git": [], "one": [3]})
+    assert family_dense_reward(passed, family, scales) == pytest.approx(expected, abs=1e-12)
+
+
 @SETTINGS
-@given(st.integers(0, 1000), st.floats(0.5, 500))
-def test_fdr_is_P_over_D(P, D):
-    assert family_dense_reward(P, "f", {"f": D}) == P / D
+@given(st.integers(0, 500), st.integers(0, 500), st.integers(1, 200))
+def test_fdr_is_linear_in_P_and_one_at_P_equal_D(P1, P2, D):
+    # FDR(P1 + P2) = FDR(P1) + FDR(P2) (a linear, unclipped reward) and FDR(D_f) = 1.
+    scales = {"f": float(D)}
+    fdr = lambda P: family_dense_reward(P, "f", scales)  # noqa: E731
+    assert fdr(P1 + P2) == pytest.approx(fdr(P1) + fdr(P2), rel=1e-12, abs=1e-12)
+    assert fdr(D) == 1.0
 
 
 def test_fdr_is_not_clipped():

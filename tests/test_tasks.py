@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -115,9 +116,9 @@ def test_environment_env_is_read(tmp_path):
 
 def test_task_is_frozen():
     task = load_task(FIXTURES / "good" / "hello")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'family'"):
         task.family = "other"  # type: ignore[misc]
-    assert isinstance(task, Task)
+    assert isinstance(task, Task) and task.family == "files"
 
 
 @settings(max_examples=50, deadline=None)

@@ -356,6 +356,75 @@ def test_hand_worked_three_turns_padding_and_prompt(form):
     torch.testing.assert_close(R, torch.tensor([[0, 1.25, 0, 1.5, 0, 2, 2, 0]]))
 
 
+def _widen(kinds: str, r: list, V: list, turn: list, n_obs: int):
+    """A hand-worked row with each observation token ("o" in ``kinds``; "p" prompt, "a" action,
+    "_" padding) repeated ``n_obs`` times: (r, V, mask, turn, action positions) as tensors.
+    Observation tokens change nothing at action positions, so the expected numbers stay those
+    of the short row; with n_obs = 100 the row is long enough (T >= 64 (K + 1)) for tb_gae_fast
+    to take its chunked path and write returns by the per-chunk broadcast (_expand_blocks)."""
+    rows: dict[str, list] = {"r": [], "V": [], "m": [], "turn": []}
+    acts = []
+    for kind, r_t, V_t, turn_t in zip(kinds, r, V, turn):
+        for _ in range(n_obs if kind == "o" else 1):
+            if kind == "a":
+                acts.append(len(rows["r"]))
+            rows["r"].append(r_t)
+            rows["V"].append(V_t)
+            rows["m"].append(kind == "a")
+            rows["turn"].append(turn_t)
+    t = lambda x, **kw: torch.tensor([x], **kw)  # noqa: E731
+    return (t(rows["r"], dtype=torch.float64), t(rows["V"], dtype=torch.float64), t(rows["m"]),
+            t(rows["turn"]), torch.tensor(acts))
+
+
+@each_form
+@pytest.mark.parametrize("n_obs", [1, 100])
+def test_hand_worked_two_turns_lam_not_one_half(form, n_obs):
+    # lam_turn = 0.5 hides a swap of l and (1 - l) (they are equal there); l = 0.8 does not.
+    # tokens:   a0   a1   o    a2          r: 0 0 0 1,   V: 0.5 0.4 9.0 0.2
+    # turn:     0    0    1    1           g = 0.9, l = 0.8, g l = 0.72
+    # a2 (last):         delta = 1 - 0.2 = 0.8;                       A = 0.8
+    # a1 -> a2 (boundary): delta = 0 + 0.9*0.2 - 0.4 = -0.22;         A = -0.22 + 0.72*0.8 = 0.356
+    # a0 -> a1 (same turn): delta = 0 + 0.4 - 0.5 = -0.1;             A = -0.1 + 0.356 = 0.256
+    # returns = A + V: a0 0.756, a1 0.756, a2 1.0.
+    # The closed form agrees: X_0 = g (1 - l) V_a2 + g l (Rtot_1 + X_1) = 0.9*0.2*0.2 + 0.72*1
+    # = 0.036 + 0.72 = 0.756 (with l in place of 1 - l: 0.144 + 0.72 = 0.864).
+    r, V, mask, turn, acts = _widen("aaoa", [0, 0, 0, 1.0], [0.5, 0.4, 9.0, 0.2], [0, 0, 1, 1], n_obs)
+    A, R = form(r, V, mask, turn, 0.9, 0.8)
+    want_A = torch.tensor([0.256, 0.356, 0.8], dtype=torch.float64)
+    want_R = torch.tensor([0.756, 0.756, 1.0], dtype=torch.float64)
+    torch.testing.assert_close(A[0, acts], want_A, atol=1e-12, rtol=0)
+    torch.testing.assert_close(R[0, acts], want_R, atol=1e-12, rtol=0)
+    assert (A[~mask.bool()] == 0).all() and (R[~mask.bool()] == 0).all()
+
+
+@each_form
+@pytest.mark.parametrize("n_obs", [1, 100])
+def test_hand_worked_three_turns_two_rewards_gamma_and_lam_below_one(form, n_obs):
+    # tokens:  p    a0   o    a1   a1'  o    a2   pad
+    # turn:    0    0    1    1    1    2    2    2
+    # r:       0    0.5  0    0    0    0    2    0      (a reward on turn 0's last action too)
+    # V:       7    1.0  7    0.6  0.3  7    0.8  7      (V off the actions is never read)
+    # g = 0.95, l = 0.8, g l = 0.76
+    # a2 (last):           delta = 2 - 0.8 = 1.2;                        A = 1.2      R = 2.0
+    # a1' -> a2 (boundary): delta = 0 + 0.95*0.8 - 0.3 = 0.46;            A = 0.46 + 0.76*1.2
+    #                                                                      = 1.372    R = 1.672
+    # a1 -> a1' (same turn): delta = 0 + 0.3 - 0.6 = -0.3;               A = -0.3 + 1.372
+    #                                                                      = 1.072    R = 1.672
+    # a0 -> a1 (boundary):  delta = 0.5 + 0.95*0.6 - 1.0 = 0.07;          A = 0.07 + 0.76*1.072
+    #                                                                      = 0.88472  R = 1.88472
+    # Closed form: X_1 = g (1 - l) V_a2 + g l (Rtot_2 + X_2) = 0.95*0.2*0.8 + 0.76*2 = 1.672;
+    # X_0 = 0.95*0.2*0.6 + 0.76*(0 + 1.672) = 1.38472, R_a0 = Rtot_0 + X_0 = 1.88472.
+    r, V, mask, turn, acts = _widen("paoaaoa_", [0, 0.5, 0, 0, 0, 0, 2.0, 0],
+                                    [7.0, 1.0, 7, 0.6, 0.3, 7, 0.8, 7], [0, 0, 1, 1, 1, 2, 2, 2], n_obs)
+    A, R = form(r, V, mask, turn, 0.95, 0.8)
+    want_A = torch.tensor([0.88472, 1.072, 1.372, 1.2], dtype=torch.float64)
+    want_R = torch.tensor([1.88472, 1.672, 1.672, 2.0], dtype=torch.float64)
+    torch.testing.assert_close(A[0, acts], want_A, atol=1e-12, rtol=0)
+    torch.testing.assert_close(R[0, acts], want_R, atol=1e-12, rtol=0)
+    assert (A[~mask.bool()] == 0).all() and (R[~mask.bool()] == 0).all()
+
+
 @each_form
 def test_row_without_actions_is_zero(form):
     r = torch.zeros(2, 3)

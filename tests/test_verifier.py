@@ -82,6 +82,23 @@ def test_static_checks_from_many_threads_and_on_unparsable_files(tmp_path):
         assert static_checks(tmp_path) == {}
 
 
+@pytest.mark.parametrize("raw, success", [
+    (b"1\n", True), (b"1.0", True), (b" 1 ", True),  # S = 1 iff the file holds 1 ...
+    (b"0\n", False), (b"0.5", False), (b"0.999", False), (b"2", False),  # ... and nothing else counts
+])
+def test_reward_file_is_one_or_not(raw, success):
+    from minirsi.verifier import _read_reward
+
+    assert _read_reward(raw) == (success, None)
+
+
+def test_unreadable_or_missing_reward_file_is_zero_with_the_reason():
+    from minirsi.verifier import _read_reward
+
+    assert _read_reward(b"passed") == (False, "reward.txt holds 'passed', not 1 or 0")
+    assert _read_reward(None) == (False, "test.sh wrote no /logs/verifier/reward.txt")
+
+
 def test_oracle_passes_and_empty_run_fails():
     oracle, empty = run_oracle(HELLO), run_empty(HELLO)
     assert (oracle.success, oracle.passed, oracle.total) == (True, 2, 2) and oracle.error is None
@@ -150,6 +167,40 @@ def test_verifier_timeout(tmp_path):
 def test_tb1_task_without_reward_file():
     task = load_task(FIXTURES / "good" / "tb1_task")
     assert run_oracle(task).success and not run_empty(task).success
+
+
+def test_tb1_gate_is_the_exit_status_of_run_tests():
+    """TB1 writes no reward.txt: S = run-tests.sh exited 0 and every check passed. This fixture's
+    run-tests.sh exits 1 when anything but done.txt is left in /app, which its two checks do
+    not see: passing every check is not enough."""
+    task = load_task(FIXTURES / "gate" / "tb1_exit_code")
+    with open_sandbox(task) as sb:
+        sb.run("echo done > done.txt", timeout=10)
+        clean = verify(sb, task)
+    with open_sandbox(task) as sb:
+        sb.run("echo done > done.txt; touch stray.txt", timeout=10)
+        stray = verify(sb, task)
+    assert (clean.success, clean.passed, clean.total) == (True, 2, 2), clean.output_tail
+    assert set(stray.checks.values()) == {"passed"}  # every check passed ...
+    assert (stray.success, stray.passed, stray.total) == (False, 2, 2), stray.output_tail  # ... the gate did not
+
+
+@pytest.mark.parametrize("checks", ["one failing", "none"])
+def test_tb1_exit_0_is_not_enough(tmp_path, checks):
+    """The other half of the TB1 rule: a run-tests.sh that exits 0 whatever pytest said still
+    needs every check passed, and at least one check."""
+    d = _task_copy(tmp_path, "gate/tb1_exit_code")
+    (d / "run-tests.sh").write_text("#!/bin/bash\ncd /app\npytest -q -p no:cacheprovider $TEST_DIR/test_outputs.py\n"
+                                    "exit 0\n")
+    if checks == "none":
+        (d / "tests" / "test_outputs.py").write_text("# no checks\n")
+    task = load_task(d)
+    with open_sandbox(task) as sb:
+        sb.run("echo not-done > done.txt", timeout=10)  # done.txt exists, does not say done
+        r = verify(sb, task)
+    want = {"one failing": {"test_outputs::test_done_exists": "passed", "test_outputs::test_done_says_done": "failed"},
+            "none": {}}[checks]
+    assert r.checks == want and r.success is False, (r.checks, r.output_tail)
 
 
 def test_task_check_cli(capsys):
