@@ -317,7 +317,7 @@ def test_a_session_without_defects_is_the_oracle():
             inst = build_instance(FAMILIES[s.key[0]], *s.key[1:])
             assert [t.command for t in s.turns] == inst.solution and s.instruction == inst.instruction
             assert [t.commands.split("\n")[0] for t in s.turns] == [
-                f"# {st.sentence}" for st in inst.steps for _ in st.solution]
+                f"# {line}" for st, line in zip(inst.steps, inst.lines) for _ in st.solution]
             n += 1
     assert n > 30
 

@@ -29,7 +29,9 @@ print("instruction:", task.instruction.strip())
 with open_sandbox(task) as sb:
     listing = sb.run("ls", timeout=10).output.split()
     print("ls /app ->", listing)
-    assert listing == []  # this task starts from an empty /app
+    placed = sorted({p.relative_to(task.path / "environment").parts[0]
+                     for p in (task.path / "environment").rglob("*") if p.is_file()})
+    assert listing == placed  # /app starts as the task's environment/ folder
     no_tests = sb.run("ls /tests 2>&1", timeout=10)
     print("the tests are not there ->", no_tests.output.strip())
     assert no_tests.exit_code != 0 and "No such file" in no_tests.output
