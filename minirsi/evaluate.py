@@ -89,6 +89,29 @@ def summarise(episodes: Sequence[Episode], k: int, long_horizon: bool = False) -
     return out
 
 
+def paired(before: Sequence[Episode], after: Sequence[Episode]) -> dict[str, float]:
+    """The change in Mean@k from ``before`` to ``after``, two evaluations of the same tasks with
+    the same sampling seeds (common random numbers), and its standard error from the per-task
+    differences d_t = score_after(t) - score_before(t): sqrt(var(d) / n). Pairing removes the
+    task-to-task spread both share, so this error is smaller than either figure's ``stderr``.
+    Tasks missing from either side are an error: a paired difference needs both."""
+
+    def scores(eps: Sequence[Episode]) -> dict[str, float]:
+        by_task: dict[str, list[float]] = defaultdict(list)
+        for e in eps:
+            by_task[e.task_id].append(float(e.success))
+        return {t: sum(s) / len(s) for t, s in by_task.items()}
+
+    a, b = scores(before), scores(after)
+    if set(a) != set(b) or not a:
+        raise ValueError(f"paired: the two evaluations cover different tasks ({len(set(a) ^ set(b))} differ, "
+                         f"{len(a)} vs {len(b)}); evaluate both checkpoints on the same suite")
+    d = [b[t] - a[t] for t in sorted(a)]
+    mean = _mean(d)
+    var = sum((x - mean) ** 2 for x in d) / (len(d) - 1) if len(d) > 1 else 0.0
+    return {"diff": mean, "stderr": math.sqrt(var / len(d)), "n_tasks": len(d)}
+
+
 def evaluate(
     actor: Any,
     tokenizer: Any,

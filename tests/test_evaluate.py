@@ -45,6 +45,22 @@ def test_a_task_with_fewer_attempts_counts_once():
     assert r["mean_at_3"] == pytest.approx((1 + 2 / 3) / 2)
 
 
+def test_paired_difference_hand_worked():
+    # per-task differences: a 1/3 -> 3/3 (+2/3), b 0 -> 1/3 (+1/3), c 1 -> 1 (0): mean 1/3,
+    # var = ((1/3)^2 + 0 + (1/3)^2) / 2 = 1/9, stderr = sqrt(1/9 / 3)
+    before = [ep("a", True), ep("a", False), ep("a", False), ep("b", False), ep("b", False), ep("b", False),
+              ep("c", True), ep("c", True), ep("c", True)]
+    after = [ep("a", True), ep("a", True), ep("a", True), ep("b", True), ep("b", False), ep("b", False),
+             ep("c", True), ep("c", True), ep("c", True)]
+    r = ev.paired(before, after)
+    assert r["diff"] == pytest.approx(1 / 3) and r["n_tasks"] == 3
+    assert r["stderr"] == pytest.approx((1 / 27) ** 0.5)
+    # pairing removes the spread both evaluations share: smaller than either side's stderr
+    assert r["stderr"] < ev.summarise(after, k=3)["stderr"]
+    with pytest.raises(ValueError, match="different tasks"):
+        ev.paired(before, after[:6])
+
+
 def test_no_episodes_is_an_error():
     with pytest.raises(ValueError, match="no episodes"):
         ev.summarise([], k=3)
