@@ -323,9 +323,10 @@ class World:
         self.barrier()
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """What ``optimizer.pt`` holds: ``optimizer.state_dict()`` in one process; a sharded run
-        gathers the full state to rank 0, keyed by parameter name (``load_optimizer_state``
-        reads either at any world size). Every rank must call it."""
+        """The whole state of ``optimizer``: ``optimizer.state_dict()`` in one process; a sharded
+        run gathers it to rank 0's host, keyed by parameter name (``load_optimizer_state`` reads
+        either at any world size). Every rank must call it. Checkpoints do not use it
+        (``save_optimizers`` writes shards, nothing gathered); the 2-rank tests compare with it."""
         if self.size == 1:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -375,7 +376,8 @@ class World:
         return True
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Load what ``optimizer_state`` wrote, from a run of any world size."""
+        """Load a whole optimizer state (one process's ``optimizer.state_dict()``, index-keyed,
+        or ``optimizer_state``'s, name-keyed), from a run of any world size."""
         by_index = all(isinstance(k, int) for k in state["state"])
         if self.size == 1 and by_index:
             optimizer.load_state_dict(state)

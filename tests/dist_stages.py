@@ -47,7 +47,8 @@ def main() -> None:
     world = distributed.init("cpu", ScaleConfig(activation_checkpointing=False))
     cfg = load_config(RunConfig, None, ["warmup.minibatch_size=2", "eval.k=1", "eval.suites=[core]"])
     run_ = RunDir(out.parent / "run")
-    record: dict = {"world_size": world.size, "one_process_loads": 0, "collect": [], "pushed": [], "shares": {}}
+    record: dict = {"world_size": world.size, "one_process_loads": 0, "collect": [], "pushed": [], "shares": {},
+                    "actor_shares": []}
 
     def no_whole_load(*args, **kwargs):
         record["one_process_loads"] += 1
@@ -74,6 +75,16 @@ def main() -> None:
         return warmup_critic(critic, *args, **kwargs)
 
     stages.warmup_critic = watched_warmup
+    load_actor_sharded = stages.load_actor_sharded
+
+    def watched_actor(*args, **kwargs):
+        # the sharded actor the stage samples or pushes from; rank 0's unsharded host copy (no
+        # servers) is a separate module in world.shadows, its share seen by ``collect``
+        actor, tok = load_actor_sharded(*args, **kwargs)
+        record["actor_shares"].append({"rank": world.rank, "share": local_share(actor)})
+        return actor, tok
+
+    stages.load_actor_sharded = watched_actor
 
     class FakeSync:
         """What the stages need of WeightSync: called with the gathered plain actor; a sampler."""
@@ -110,6 +121,7 @@ def main() -> None:
             merged["one_process_loads"] += other["one_process_loads"]
             merged["collect"] += other["collect"]
             merged["pushed"] += other["pushed"]
+            merged["actor_shares"] += other["actor_shares"]
         out.write_text(json.dumps(merged, indent=1))
     distributed.shutdown()
     distributed.exit_rank(0)

@@ -150,6 +150,9 @@ def test_warmup_and_evaluation_are_sharded_on_two_ranks(tmp_path):
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and r["one_process_loads"] == 0
     assert r["shares"]["warmup_critic"] == [0.5, 0.5]  # every rank holds half of the critic it trains
+    # every rank holds half of the actor in the warm-up and the evaluation, with and without
+    # servers (4 loads a rank); without servers rank 0's whole copy is a separate host module
+    assert sorted((a["rank"], a["share"]) for a in r["actor_shares"]) == [(0, 0.5)] * 4 + [(1, 0.5)] * 4
     in_process, served = r["collect"][:2], r["collect"][2:]  # warm-up then evaluation, per setting
     assert all(c["rank"] == 0 and c["sampler"] == "HFSampler" and c["model_share"] == 1.0 for c in in_process)
     assert all(c["rank"] == 0 and c["sampler"] == "SimpleNamespace" and c["model_share"] is None for c in served)

@@ -464,6 +464,26 @@ def test_sync_files_are_bf16_shards_that_read_back(model, tmp_path):
     assert all(torch.equal(one[k], v) for k, v in state.items())
 
 
+def test_the_default_serving_config_syncs_bf16_files(servers, model, tmp_path):
+    """The recipe builds its sync with ``serving_sync``: with ``serving.sync_dtype`` left at its
+    default every file the servers read is bf16 (what vLLM computes in; half the bytes of the
+    trainer's fp32), not the trainer's dtype."""
+    from safetensors import safe_open
+
+    from minirsi.weight_sync import ServingConfig, serving_sync
+
+    (a,) = servers(1)
+    sync = serving_sync(ServingConfig(servers=[a.url]), tmp_path / "w")
+    sync(copy.deepcopy(model))
+    files = sorted((tmp_path / "w" / "v000001").glob("*.safetensors"))
+    assert files
+    dtypes = set()
+    for name in files:
+        with safe_open(str(name), framework="pt") as f:
+            dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}
+
+
 def test_a_lora_push_merges_without_copying_the_model(model, tmp_path):
     from minirsi.weight_sync import gather_full_state_dict
 
