@@ -250,7 +250,7 @@ def test_load_sharded_equals_from_pretrained(tmp_path):
 # ------------------------------------------------------------------------- the recipe under torchrun
 
 # The smoke preset, cut to seconds a stage: 4 training tasks, one RPR step per phase, 2 turns.
-# The Base is smoke's own, from the Base cache the recipe test fills (~5 min once when cold).
+# The Base is the shipped one (minirsi/presets/toy-base: smoke's pretrain config), so nothing pretrains.
 CI_OVERRIDES = ["suites.train=4", "suites.core=4", "rsr1.samples_per_task=1", "rsr2.samples_per_task=1",
                 "rsr1.epochs=1", "rsr2.epochs=1", "rpr1.steps=1", "rpr2.steps=1", "rpr1.critic_calibration_updates=1",
                 "rpr2.critic_calibration_updates=0", "rpr1.episodes_per_step=4", "rpr2.episodes_per_step=4",
