@@ -59,20 +59,16 @@ def summarise(episodes: Sequence[Episode], k: int, long_horizon: bool = False) -
     """
     if not episodes:
         raise ValueError("summarise: no episodes to score; did the rollout produce any?")
-    by_task: dict[str, list[Episode]] = defaultdict(list)
-    for ep in episodes:
-        by_task[ep.task_id].append(ep)
-    task_score = {t: sum(e.success for e in eps) / len(eps) for t, eps in by_task.items()}
+    by_task = _by_task(episodes)
+    task_score = _task_scores(by_task)
     by_diff: dict[str, list[float]] = defaultdict(list)
     for t, eps in by_task.items():
         by_diff[eps[0].difficulty].append(task_score[t])
     order = [d for d in DIFFICULTIES if d in by_diff] + sorted(set(by_diff) - set(DIFFICULTIES))
-    scores = list(task_score.values())
-    mean = _mean(scores)
-    var = sum((x - mean) ** 2 for x in scores) / (len(scores) - 1) if len(scores) > 1 else 0.0
+    mean, stderr = _mean_and_stderr(list(task_score.values()))
     out: dict[str, Any] = {
         f"mean_at_{k}": mean,
-        "stderr": math.sqrt(var / len(scores)),
+        "stderr": stderr,
         "n_tasks": len(by_task),
         "n_episodes": len(episodes),
         "by_difficulty": {d: _mean(by_diff[d]) for d in order},
@@ -95,21 +91,13 @@ def paired(before: Sequence[Episode], after: Sequence[Episode]) -> dict[str, flo
     differences d_t = score_after(t) - score_before(t): sqrt(var(d) / n). Pairing removes the
     task-to-task spread both share, so this error is smaller than either figure's ``stderr``.
     Tasks missing from either side are an error: a paired difference needs both."""
-
-    def scores(eps: Sequence[Episode]) -> dict[str, float]:
-        by_task: dict[str, list[float]] = defaultdict(list)
-        for e in eps:
-            by_task[e.task_id].append(float(e.success))
-        return {t: sum(s) / len(s) for t, s in by_task.items()}
-
-    a, b = scores(before), scores(after)
+    a, b = _task_scores(_by_task(before)), _task_scores(_by_task(after))
     if set(a) != set(b) or not a:
         raise ValueError(f"paired: the two evaluations cover different tasks ({len(set(a) ^ set(b))} differ, "
                          f"{len(a)} vs {len(b)}); evaluate both checkpoints on the same suite")
     d = [b[t] - a[t] for t in sorted(a)]
-    mean = _mean(d)
-    var = sum((x - mean) ** 2 for x in d) / (len(d) - 1) if len(d) > 1 else 0.0
-    return {"diff": mean, "stderr": math.sqrt(var / len(d)), "n_tasks": len(d)}
+    mean, stderr = _mean_and_stderr(d)
+    return {"diff": mean, "stderr": stderr, "n_tasks": len(d)}
 
 
 def evaluate(
@@ -215,6 +203,25 @@ def generate_toy_suites(root: str | Path, names: Sequence[str], sizes: Mapping[s
         n = (sizes or {}).get(name)
         toy_envs.generate_suite(name, d, n=n, seed=seed)
         (d / ".complete").write_text("")
+
+
+def _by_task(episodes: Sequence[Episode]) -> dict[str, list[Episode]]:
+    by_task: dict[str, list[Episode]] = defaultdict(list)
+    for ep in episodes:
+        by_task[ep.task_id].append(ep)
+    return by_task
+
+
+def _task_scores(by_task: Mapping[str, Sequence[Episode]]) -> dict[str, float]:
+    """A task's score: the mean success of its attempts."""
+    return {t: sum(e.success for e in eps) / len(eps) for t, eps in by_task.items()}
+
+
+def _mean_and_stderr(xs: Sequence[float]) -> tuple[float, float]:
+    """The mean and its standard error sqrt(var / n), var with n - 1 (0 for a single value)."""
+    mean = _mean(xs)
+    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+    return mean, math.sqrt(var / len(xs))
 
 
 def _mean(xs: Any) -> float:

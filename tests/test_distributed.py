@@ -249,17 +249,18 @@ def test_load_sharded_equals_from_pretrained(tmp_path):
 
 # ------------------------------------------------------------------------- the recipe under torchrun
 
+# Every RPR group trains: with 4 tasks and 2 turns most groups are uniform, and dropped groups
+# would leave an RPR step with nothing to update (and nothing to push).
+EVERY_GROUP_TRAINS = ["rpr1.drop_uniform_groups=false", "rpr2.drop_uniform_groups=false", "rpr1.oversample=1",
+                      "rpr2.oversample=1"]
+
 # The smoke preset, cut to seconds a stage: 4 training tasks, one RPR step per phase, 2 turns.
 # The Base is the shipped one (minirsi/presets/toy-base: smoke's pretrain config), so nothing pretrains.
 CI_OVERRIDES = ["suites.train=4", "suites.core=4", "rsr1.samples_per_task=1", "rsr2.samples_per_task=1",
                 "rsr1.epochs=1", "rsr2.epochs=1", "rpr1.steps=1", "rpr2.steps=1", "rpr1.critic_calibration_updates=1",
                 "rpr2.critic_calibration_updates=0", "rpr1.episodes_per_step=4", "rpr2.episodes_per_step=4",
                 "rpr1.minibatch_size=4", "rpr2.minibatch_size=4", "rpr1.ppo_epochs=1", "rpr2.ppo_epochs=1",
-                "eval.k=1", "rollout.max_turns=2", "eval.rollout.max_turns=2",
-                # every group trains: with 4 tasks and 2 turns most groups are uniform, and dropped
-                # groups would leave an RPR step with nothing to update (and nothing to push)
-                "rpr1.drop_uniform_groups=false", "rpr2.drop_uniform_groups=false", "rpr1.oversample=1",
-                "rpr2.oversample=1"]
+                "eval.k=1", "rollout.max_turns=2", "eval.rollout.max_turns=2", *EVERY_GROUP_TRAINS]
 
 
 def _check_run(run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
@@ -438,8 +439,7 @@ def test_torchrun_rpr_pushes_the_gathered_actor_to_servers(procs, tmp_path):
         "baselines.critic_reset=false", "baselines.token_gae=false", "baselines.continue_rpr1=0",
         "rpr1.steps=2", "rpr1.critic_calibration_updates=1", "rpr1.episodes_per_step=4", "rpr1.minibatch_size=4",
         "rpr2.steps=1", "rpr2.critic_calibration_updates=0", "rpr2.episodes_per_step=4", "rpr2.minibatch_size=4",
-        "rpr1.drop_uniform_groups=false", "rpr2.drop_uniform_groups=false", "rpr1.oversample=1", "rpr2.oversample=1",
-        "eval.k=1", "eval.suites=[core]", "eval.stages=[base]", "eval.rollout.max_turns=1",
+        *EVERY_GROUP_TRAINS, "eval.k=1", "eval.suites=[core]", "eval.stages=[base]", "eval.rollout.max_turns=1",
         "eval.rollout.max_new_tokens=16"], 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
