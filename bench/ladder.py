@@ -112,11 +112,13 @@ def main() -> int:
 
     history = run_rpr(actor, critic, tok, pool, rcfg, counted, scales,
                       log_fn=lambda r: print(f"  step {r['step']:2d} {r['phase']:9s} S {r['binary_reward']:.2f} "
+                                             f"pool {r['pool_success']:.2f} trained {r.get('trained_episodes', '-')} "
                                              f"FDR {r['dense_reward']:.2f} EV {r['explained_variance']:+.2f} "
                                              f"KL {r['approx_kl']:.3f} clip {r['clip_frac']:.2f} "
                                              f"turns {r['turns']:.1f}", flush=True))
-    calib = [h["binary_reward"] for h in history if h["phase"] == "calibrate"] or [history[0]["binary_reward"]]
-    joint = [h["binary_reward"] for h in history if h["phase"] == "joint"]
+    # pool_success: the drawn episodes' success reweighted to a uniform draw (RPRConfig.pool_sampling)
+    calib = [h["pool_success"] for h in history if h["phase"] == "calibrate"] or [history[0]["pool_success"]]
+    joint = [h["pool_success"] for h in history if h["phase"] == "joint"]
     start, end = sum(calib) / len(calib), sum(joint[-args.tail:]) / len(joint[-args.tail:])
     print(f"pool success: {start:.2f} (calibration, frozen actor) -> {end:.2f} (last {args.tail} joint steps): "
           f"{100 * (end - start):+.1f} points in {time.time() - t0:.0f} s")

@@ -38,6 +38,7 @@ DIFFICULTIES = ("easy", "medium", "hard", "extreme")
 SIGNALS = (
     ("dense_reward", "dense reward (FDR)"),
     ("binary_reward", "binary reward (S)"),
+    ("pool_success", "training-pool success (S of a uniform draw, estimated)"),
     ("turns", "turns per episode"),
     ("explained_variance", "explained variance"),
     ("logprob_gap", "|logp_train - logp_sample|"),
@@ -121,12 +122,15 @@ def failure_table(results: Mapping[str, Any], suite: str | None = None, labels: 
 
 
 def pool_table(metrics: Sequence[Mapping[str, Any]], labels: Mapping[str, str], n: int = 3) -> str:
-    """Markdown: per RPR stage, the training episodes' success (``binary_reward``) over its first
-    ``n`` logged steps (critic calibration included) and its last ``n``."""
+    """Markdown: per RPR stage, the training pool's success over its first ``n`` logged steps
+    (critic calibration included) and its last ``n``: ``pool_success``, the drawn episodes'
+    success reweighted to a uniform draw of the pool (``RPRConfig.pool_sampling``), or for runs
+    logged before it the drawn episodes' ``binary_reward``."""
     stages: dict[str, list[float]] = {}
     for m in metrics:
-        if m.get("phase") in ("calibrate", "joint") and isinstance(m.get("binary_reward"), (int, float)):
-            stages.setdefault(m["stage"], []).append((m["step"], m["binary_reward"]))
+        y = m.get("pool_success", m.get("binary_reward"))
+        if m.get("phase") in ("calibrate", "joint") and isinstance(y, (int, float)):
+            stages.setdefault(m["stage"], []).append((m["step"], y))
     if not stages:
         return "(no RPR stage logged its training rollouts)"
     lines = [f"| Stage | steps | success, first {n} | success, last {n} |", "|---|---|---|---|"]

@@ -52,7 +52,10 @@ Choices the paper leaves open, ours:
   leave the update (DAPO's dynamic sampling), and a step in which no task has both outcomes
   updates the critic only. ``oversample`` draws extra groups so that the step still has
   ``episodes_per_step / G`` mixed groups to train on: the pool filtered to the edge of the
-  actor's competence. Success is logged over every episode rolled out.
+  actor's competence. ``pool_sampling="edge"`` moves the draw itself there: tasks are drawn
+  by bucket (family, difficulty), each bucket as often as its groups so far were mixed
+  (``EdgeStream``). Success is logged over every episode rolled out (``binary_reward``) and
+  reweighted to what a uniform draw of the pool would measure (``pool_success``).
 * Calibration: the first ``critic_calibration_updates`` steps of a phase update the critic only
   (each on fresh rollouts of the frozen actor, as veRL's ``critic_warmup``); ``steps`` joint
   steps follow, so a phase runs calibration + steps rollouts.
@@ -159,6 +162,15 @@ class RPRConfig:
     groups drawn from the same stream) and train on the first ``episodes_per_step / G`` groups
     with both outcomes: the pool filtered, step by step, to the tasks the actor solves sometimes
     (DAPO's dynamic sampling, with a bounded draw instead of "until the batch is full")."""
+    pool_sampling: str = "uniform"
+    """How a step draws its tasks. "uniform": a seeded shuffle of the pool (``task_stream``).
+    "edge": by bucket (``pool_buckets``), each bucket as often as its groups so far held both
+    outcomes (``EdgeStream``): draws move to the tasks the actor solves sometimes, and away from
+    buckets it always or never solves, which every bucket keeps being tried on.
+    Logged either way: ``pool_success``, the step's success reweighted to a uniform draw."""
+    pool_buckets: str = "difficulty"
+    """With ``pool_sampling="edge"``: the task fields, comma-separated, that make a bucket
+    ("difficulty", "family,difficulty"). Fewer buckets learn their weights from fewer steps."""
     steps: int = 20
     """Joint (actor + critic) PPO steps, after the calibration updates."""
     critic_calibration_updates: int = 4
@@ -217,6 +229,15 @@ class RPRConfig:
         if self.oversample < 1 or (self.oversample > 1 and not self.drop_uniform_groups):
             raise ValueError(f"RPRConfig.oversample={self.oversample}: must be >= 1, and > 1 only with "
                              "drop_uniform_groups=true (the extra groups are there to be filtered)")
+        if self.pool_sampling not in ("uniform", "edge"):
+            raise ValueError(f"RPRConfig.pool_sampling={self.pool_sampling!r}: use 'uniform' or 'edge'")
+        fields = [f.strip() for f in self.pool_buckets.split(",")]
+        if not all(f in ("family", "difficulty") for f in fields):
+            raise ValueError(f"RPRConfig.pool_buckets={self.pool_buckets!r}: use task fields 'family' and/or "
+                             "'difficulty', comma-separated")
+        if self.pool_sampling == "edge" and self.samples_per_task < 2:
+            raise ValueError("RPRConfig.pool_sampling='edge' needs samples_per_task >= 2 (it weighs buckets by "
+                             "how often a task's group holds both outcomes)")
         if self.drop_uniform_groups and self.samples_per_task < 2:
             raise ValueError("RPRConfig.drop_uniform_groups needs samples_per_task >= 2 (a group of one "
                              "episode is always uniform)")
@@ -589,6 +610,71 @@ def task_stream(tasks: Sequence[Any], n: int, seed: int, group: int = 1) -> Iter
         yield out
 
 
+def bucket_of(task: Any, fields: Sequence[str] = ("family", "difficulty")) -> tuple[str, ...]:
+    """The bucket ``EdgeStream`` weighs a task by: the values of its ``fields`` (family =
+    task.toml's category, difficulty)."""
+    return tuple(str(getattr(task, f, "")) for f in fields)
+
+
+class EdgeStream:
+    """Lists of ``n`` tasks, ``n / group`` draws each repeated ``group`` times, that follow the
+    edge of the actor's competence: bucket b (``bucket_of``) is drawn with probability
+    proportional to (m_b + 1) / (n_b + 2), where n_b of its groups observed so far (``observe``)
+    held m_b with both outcomes (the posterior mean of that share under a uniform prior). A
+    bucket never tried weighs 1/2; one whose every group was uniform fades as 1 / (n_b + 2)
+    without being dropped, so a bucket the actor starts to solve comes back. Inside a bucket
+    tasks come from a seeded shuffle, reshuffled when used up.
+
+    ``uniform_weights(episodes)``: per episode, pool share / draw probability of its bucket in
+    the draw that produced it; sum(w * S) / len(episodes) estimates, without bias, the success a
+    uniform draw would measure (a self-normalised mean would not: a step that happens to draw
+    no task of a rarely drawn bucket would leave that bucket out)."""
+
+    def __init__(self, tasks: Sequence[Any], n: int, seed: int, group: int = 1,
+                 fields: Sequence[str] = ("family", "difficulty")):
+        if not tasks:
+            raise ValueError("RPR needs at least one training task")
+        self.n, self.group, self.rng = n, group, random.Random(seed)
+        self.members: dict[tuple[str, ...], list[Any]] = {}
+        for task in tasks:
+            self.members.setdefault(bucket_of(task, fields), []).append(task)
+        self.keys = sorted(self.members)
+        self.share = {k: len(self.members[k]) / len(tasks) for k in self.keys}
+        self.bucket = {task.task_id: bucket_of(task, fields) for task in tasks}
+        self.groups = dict.fromkeys(self.keys, 0)
+        self.mixed = dict.fromkeys(self.keys, 0)
+        self.queue: dict[tuple[str, ...], list[Any]] = {k: [] for k in self.keys}
+        self.probs: dict[tuple[str, ...], float] = {}
+
+    def __iter__(self) -> EdgeStream:
+        return self
+
+    def __next__(self) -> list[Any]:
+        weights = [(self.mixed[k] + 1) / (self.groups[k] + 2) for k in self.keys]
+        total = sum(weights)
+        self.probs = {k: w / total for k, w in zip(self.keys, weights)}
+        out: list[Any] = []
+        for key in self.rng.choices(self.keys, weights=weights, k=-(-self.n // self.group)):
+            if not self.queue[key]:
+                self.queue[key] = list(self.members[key])
+                self.rng.shuffle(self.queue[key])
+            out.extend([self.queue[key].pop()] * self.group)
+        return out[: self.n] if len(out) > self.n else out
+
+    def observe(self, episodes: Sequence[Episode]) -> None:
+        """Count each task's group of ``episodes``: one group, mixed if it held both outcomes."""
+        uniform = uniform_groups(episodes)
+        for task_id in dict.fromkeys(e.task_id for e in episodes):
+            key = self.bucket.get(task_id)
+            if key is not None:
+                self.groups[key] += 1
+                self.mixed[key] += task_id not in uniform
+
+    def uniform_weights(self, episodes: Sequence[Episode]) -> list[float]:
+        keys = [self.bucket.get(e.task_id) for e in episodes]
+        return [self.share[k] / self.probs[k] if k in self.probs else 0.0 for k in keys]
+
+
 def uniform_groups(episodes: Sequence[Episode]) -> set[str]:
     """Task ids whose episodes all succeeded or all failed (no contrast to learn from)."""
     outcomes: dict[str, set[bool]] = {}
@@ -679,7 +765,10 @@ def run_rpr(
     if cfg.kl_coef > 0 and ref_model is None and not hasattr(actor, "disable_adapter"):
         ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref = the actor as the stage starts
     optimizers = optimizers or make_optimizers(actor, critic, cfg)
-    stream = task_stream(train_tasks, cfg.episodes_per_step * cfg.oversample, cfg.seed, cfg.samples_per_task)
+    n_draw = cfg.episodes_per_step * cfg.oversample
+    edge = (EdgeStream(train_tasks, n_draw, cfg.seed, cfg.samples_per_task,
+                       [f.strip() for f in cfg.pool_buckets.split(",")]) if cfg.pool_sampling == "edge" else None)
+    stream = edge or task_stream(train_tasks, n_draw, cfg.seed, cfg.samples_per_task)
     history: list[dict[str, Any]] = []
     n_calib = cfg.critic_calibration_updates
     for step in range(n_calib + cfg.steps):
@@ -693,6 +782,10 @@ def run_rpr(
             raise RuntimeError(f"RPR step {step}: no episode has an action token; check the sampler/sandbox")
         rewards = score(usable, cfg.reward, scales, scales_prime)
         fdr = score(usable, "fdr", scales)
+        weights = edge.uniform_weights(usable) if edge is not None else [1.0] * len(usable)
+        pool_success = sum(w * e.success for w, e in zip(weights, usable)) / len(usable)  # unbiased (not self-normalised)
+        if edge is not None:
+            edge.observe(usable)
         uniform = uniform_groups(usable) if cfg.drop_uniform_groups else set()
         kept = first_groups([i for i, e in enumerate(usable) if e.task_id not in uniform], usable,
                             cfg.episodes_per_step // cfg.samples_per_task)
@@ -714,6 +807,7 @@ def run_rpr(
             "reward": sum(rewards) / len(rewards),
             "dense_reward": sum(fdr) / len(fdr),
             "binary_reward": sum(e.success for e in usable) / len(usable),
+            "pool_success": pool_success,
             "turns": sum(e.turns for e in usable) / len(usable),
             "logprob_gap": logprob_gap(batch),
             "episodes": len(usable), "dropped_episodes": len(episodes) - len(usable),

@@ -123,3 +123,14 @@ def test_audit_numbers_on_fabricated_episodes(tmp_path, capsys):
 def test_audit_of_a_dir_without_calibration_is_a_clear_error(tmp_path, capsys):
     assert report.cli([str(tmp_path)], command="audit") == 2
     assert "calibration.json" in capsys.readouterr().err
+
+
+def test_pool_table_reads_the_uniform_estimate_and_falls_back_to_the_drawn_success():
+    """An edge-sampled stage logs both the drawn episodes' success and its estimate for a
+    uniform draw of the pool: the table shows the estimate; a run logged before it, S."""
+    edge = [{"stage": "rpr1", "phase": "joint", "step": i, "binary_reward": 0.9, "pool_success": 0.1 * i}
+            for i in range(6)]
+    old = [{"stage": "rpr2", "phase": "calibrate", "step": i, "binary_reward": 0.5} for i in range(3)]
+    table = report.pool_table(edge + old, {"rpr1": "RPR-1", "rpr2": "RPR-2"})
+    assert "| RPR-1 | 6 | 10.0 | 40.0 |" in table
+    assert "| RPR-2 | 3 | 50.0 | 50.0 |" in table

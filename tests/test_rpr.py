@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from minirsi.config import ConfigError, load_config
 from minirsi.critic import build_critic, fingerprint
 from minirsi.episode import Episode, collate
 from minirsi.rpr import (
+    EdgeStream,
     RPRConfig,
     approx_kl,
     kl_penalty,
@@ -572,6 +574,96 @@ def test_first_groups_keeps_whole_groups_in_order_of_appearance():
     eps = _group_episodes({"x": [True, False], "y": [True, False], "z": [False, True]})
     assert [eps[i].task_id for i in first_groups(range(6), eps, 2)] == ["x", "x", "y", "y"]
     assert first_groups([4, 5, 0], eps, 1) == [4, 5]
+
+
+def _bucketed_pool(rates: dict[str, float], per_bucket: int = 10) -> tuple[list, dict[str, float]]:
+    """Tasks in buckets by difficulty (one family), each bucket's tasks solved with its rate."""
+    tasks = [SimpleNamespace(task_id=f"f-{d}-{i}", family="f", difficulty=d) for d in rates for i in range(per_bucket)]
+    return tasks, {t.task_id: rates[t.difficulty] for t in tasks}
+
+
+def _play(stream, rate: dict[str, float], steps: int, seed: int = 0) -> list[list[Episode]]:
+    """``steps`` draws from ``stream``, each episode a success with its task's rate."""
+    rng, out = random.Random(seed), []
+    for _ in range(steps):
+        draw = next(stream)
+        eps = [SimpleNamespace(task_id=t.task_id, success=rng.random() < rate[t.task_id])
+               for t in draw]
+        if isinstance(stream, EdgeStream):
+            stream.observe(eps)
+        out.append(eps)
+    return out
+
+
+def test_edge_stream_draws_where_groups_are_mixed_and_keeps_trying_the_rest():
+    """A probe with a known answer: buckets the actor never solves (hard), always solves
+    (trivial) and solves half of the time (edge). The edge bucket's groups of 4 are mixed 7 times
+    in 8, the others never: after the first steps the stream draws it most, the others still get
+    draws, and over the run it yields more mixed groups than a uniform shuffle of the same pool."""
+    tasks, rate = _bucketed_pool({"hard": 0.0, "trivial": 1.0, "edge": 0.5})
+    edge = EdgeStream(tasks, 32, seed=0, group=4)
+    edge_steps = _play(edge, rate, 12)
+    uniform_steps = _play(task_stream(tasks, 32, 0, 4), rate, 12)
+    assert edge.probs[("f", "edge")] > 3 * max(edge.probs[("f", "hard")], edge.probs[("f", "trivial")])
+    assert min(edge.probs.values()) > 0.03  # nothing is dropped for good
+    late = [e.task_id.split("-")[1] for step in edge_steps[6:] for e in step]
+    assert {"hard", "trivial"} <= set(late)
+
+    def mixed(steps):
+        return sum(len({e.task_id for e in s}) - len(uniform_groups(s)) for s in steps)
+
+    assert mixed(edge_steps) > 1.5 * mixed(uniform_steps)
+    ids = [[e.task_id for e in s] for s in edge_steps]
+    assert all(len(s) == 32 and all(s[i * 4:(i + 1) * 4] == [s[i * 4]] * 4 for i in range(8)) for s in ids)
+
+
+def test_edge_streams_reweighted_success_estimates_what_a_uniform_draw_measures():
+    """pool_success: the drawn episodes reweighted by pool share / draw probability. The raw
+    success of the edge stream's draws is biased toward its favourite bucket; the reweighted
+    mean over many steps is the pool's true success, (0 + 1 + 0.5) / 3 = 0.5 here within noise,
+    where the raw mean is off by more than that noise."""
+    tasks, rate = _bucketed_pool({"hard": 0.0, "trivial": 1.0, "edge": 0.5}, per_bucket=10)
+    rate["f-trivial-0"] = rate["f-trivial-1"] = 0.5  # a trivial bucket with some contrast: a lopsided draw
+    truth = sum(rate.values()) / len(rate)
+    edge = EdgeStream(tasks, 32, seed=1, group=4)
+    rng, est, raw = random.Random(3), [], []
+    for _ in range(300):
+        draw = next(edge)
+        eps = [SimpleNamespace(task_id=t.task_id, success=rng.random() < rate[t.task_id])
+               for t in draw]
+        w = edge.uniform_weights(eps)
+        est.append(sum(wi * e.success for wi, e in zip(w, eps)) / len(eps))
+        raw.append(sum(e.success for e in eps) / len(eps))
+        edge.observe(eps)
+    assert abs(sum(est) / len(est) - truth) < 0.02
+    assert abs(sum(raw) / len(raw) - truth) > 0.04
+
+
+def test_run_rpr_with_edge_sampling_trains_on_more_episodes_and_logs_the_uniform_estimate():
+    """The same pool through run_rpr: with pool_sampling='edge' more of each step's draws are
+    mixed groups, so more episodes reach the update, and ``pool_success`` is logged either way
+    (equal to ``binary_reward`` under a uniform draw)."""
+    tasks, rate = _bucketed_pool({"hard": 0.0, "trivial": 1.0, "edge": 0.5})
+    trained = {}
+    for sampling in ("uniform", "edge"):
+        torch.manual_seed(0)
+        actor = tiny_qwen()
+        critic = build_critic(actor)
+
+        def rollout_fn(model, drawn, seed):
+            rng = random.Random(seed)
+            return _group_episodes({tid: [rng.random() < rate[tid] for _ in range(4)]
+                                    for tid in dict.fromkeys(t.task_id for t in drawn)}, seed)
+
+        cfg = _cfg(episodes_per_step=8, samples_per_task=4, drop_uniform_groups=True, oversample=2, steps=6,
+                   critic_calibration_updates=2, reward="fdr", pool_sampling=sampling)
+        history = run_rpr(actor, critic, None, tasks, cfg, rollout_fn, scales={"f": 1.0})
+        trained[sampling] = sum(h["trained_episodes"] for h in history)
+        if sampling == "uniform":
+            assert all(h["pool_success"] == h["binary_reward"] for h in history)
+    assert trained["edge"] > trained["uniform"]
+    with pytest.raises(ValueError, match="pool_sampling"):
+        RPRConfig(pool_sampling="greedy")
 
 
 # ----------------------------------------------------------------------------- resume from the journal
