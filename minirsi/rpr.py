@@ -610,7 +610,7 @@ def task_stream(tasks: Sequence[Any], n: int, seed: int, group: int = 1) -> Iter
         yield out
 
 
-def bucket_of(task: Any, fields: Sequence[str] = ("family", "difficulty")) -> tuple[str, ...]:
+def bucket_of(task: Any, fields: Sequence[str] = ("difficulty",)) -> tuple[str, ...]:
     """The bucket ``EdgeStream`` weighs a task by: the values of its ``fields`` (family =
     task.toml's category, difficulty)."""
     return tuple(str(getattr(task, f, "")) for f in fields)
@@ -631,7 +631,7 @@ class EdgeStream:
     no task of a rarely drawn bucket would leave that bucket out)."""
 
     def __init__(self, tasks: Sequence[Any], n: int, seed: int, group: int = 1,
-                 fields: Sequence[str] = ("family", "difficulty")):
+                 fields: Sequence[str] = ("difficulty",)):
         if not tasks:
             raise ValueError("RPR needs at least one training task")
         self.n, self.group, self.rng = n, group, random.Random(seed)
@@ -659,7 +659,7 @@ class EdgeStream:
                 self.queue[key] = list(self.members[key])
                 self.rng.shuffle(self.queue[key])
             out.extend([self.queue[key].pop()] * self.group)
-        return out[: self.n] if len(out) > self.n else out
+        return out[: self.n]
 
     def observe(self, episodes: Sequence[Episode]) -> None:
         """Count each task's group of ``episodes``: one group, mixed if it held both outcomes."""

@@ -604,7 +604,7 @@ def test_edge_stream_draws_where_groups_are_mixed_and_keeps_trying_the_rest():
     edge = EdgeStream(tasks, 32, seed=0, group=4)
     edge_steps = _play(edge, rate, 12)
     uniform_steps = _play(task_stream(tasks, 32, 0, 4), rate, 12)
-    assert edge.probs[("f", "edge")] > 3 * max(edge.probs[("f", "hard")], edge.probs[("f", "trivial")])
+    assert edge.probs[("edge",)] > 3 * max(edge.probs[("hard",)], edge.probs[("trivial",)])
     assert min(edge.probs.values()) > 0.03  # nothing is dropped for good
     late = [e.task_id.split("-")[1] for step in edge_steps[6:] for e in step]
     assert {"hard", "trivial"} <= set(late)
