@@ -283,9 +283,10 @@ def _check_run(run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
 @pytest.mark.timeout(900)
 def test_torchrun_two_processes_run_the_smoke_recipe(tmp_path):
     out = tmp_path / "run"
-    # with Direct PPO and a continuation of RPR-1 (it loads RPR-1's gathered optimizer state)
+    # with Direct PPO and a continuation of RPR-1 (it loads RPR-1's gathered optimizer state);
+    # RPR-1 draws at the edge of competence as toy-cpu does (every rank sees the same episodes)
     proc = minirsi_run(["run", "--preset", "smoke", "--out", str(out), "--no-report", *CI_OVERRIDES,
-                        "baselines.direct_ppo=true", "baselines.continue_rpr1=1"], 2)
+                        "baselines.direct_ppo=true", "baselines.continue_rpr1=1", "rpr1.pool_sampling=edge"], 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_run(out, ("06-direct_ppo", "07-rpr1_cont"))
     assert proc.stdout.count("run dir:") == 1  # rank 0 alone reports
