@@ -53,8 +53,8 @@ Choices the paper leaves open, ours:
   updates the critic only. ``oversample`` draws extra groups so that the step still has
   ``episodes_per_step / G`` mixed groups to train on: the pool filtered to the edge of the
   actor's competence. ``pool_sampling="edge"`` moves the draw itself there: tasks are drawn
-  by bucket (family, difficulty), each bucket as often as its groups so far were mixed
-  (``EdgeStream``). Success is logged over every episode rolled out (``binary_reward``) and
+  by bucket (``pool_buckets``: difficulty by default), each bucket as often as its groups so
+  far were mixed (``EdgeStream``). Success is logged over every episode rolled out (``binary_reward``) and
   reweighted to what a uniform draw of the pool would measure (``pool_success``).
 * Calibration: the first ``critic_calibration_updates`` steps of a phase update the critic only
   (each on fresh rollouts of the frozen actor, as veRL's ``critic_warmup``); ``steps`` joint
@@ -206,6 +206,11 @@ class RPRConfig:
     seed: int = 0
     """Seeds task order, minibatch shuffles and rollouts."""
 
+    @property
+    def bucket_fields(self) -> list[str]:
+        """``pool_buckets`` as a list of task fields."""
+        return [f.strip() for f in self.pool_buckets.split(",")]
+
     def __post_init__(self) -> None:
         for name in ("gamma_turn", "lam_turn"):
             if not 0.0 <= getattr(self, name) <= 1.0:
@@ -231,8 +236,7 @@ class RPRConfig:
                              "drop_uniform_groups=true (the extra groups are there to be filtered)")
         if self.pool_sampling not in ("uniform", "edge"):
             raise ValueError(f"RPRConfig.pool_sampling={self.pool_sampling!r}: use 'uniform' or 'edge'")
-        fields = [f.strip() for f in self.pool_buckets.split(",")]
-        if not all(f in ("family", "difficulty") for f in fields):
+        if not all(f in ("family", "difficulty") for f in self.bucket_fields):
             raise ValueError(f"RPRConfig.pool_buckets={self.pool_buckets!r}: use task fields 'family' and/or "
                              "'difficulty', comma-separated")
         if self.pool_sampling == "edge" and self.samples_per_task < 2:
@@ -661,9 +665,10 @@ class EdgeStream:
             out.extend([self.queue[key].pop()] * self.group)
         return out[: self.n]
 
-    def observe(self, episodes: Sequence[Episode]) -> None:
-        """Count each task's group of ``episodes``: one group, mixed if it held both outcomes."""
-        uniform = uniform_groups(episodes)
+    def observe(self, episodes: Sequence[Episode], uniform: set[str] | None = None) -> None:
+        """Count each task's group of ``episodes``: one group, mixed if it held both outcomes
+        (``uniform``: the ids of the uniform ones, ``uniform_groups(episodes)`` if not given)."""
+        uniform = uniform_groups(episodes) if uniform is None else uniform
         for task_id in dict.fromkeys(e.task_id for e in episodes):
             key = self.bucket.get(task_id)
             if key is not None:
@@ -766,8 +771,8 @@ def run_rpr(
         ref_model = copy.deepcopy(actor).eval().requires_grad_(False)  # pi_ref = the actor as the stage starts
     optimizers = optimizers or make_optimizers(actor, critic, cfg)
     n_draw = cfg.episodes_per_step * cfg.oversample
-    edge = (EdgeStream(train_tasks, n_draw, cfg.seed, cfg.samples_per_task,
-                       [f.strip() for f in cfg.pool_buckets.split(",")]) if cfg.pool_sampling == "edge" else None)
+    edge = (EdgeStream(train_tasks, n_draw, cfg.seed, cfg.samples_per_task, cfg.bucket_fields)
+            if cfg.pool_sampling == "edge" else None)
     stream = edge or task_stream(train_tasks, n_draw, cfg.seed, cfg.samples_per_task)
     history: list[dict[str, Any]] = []
     n_calib = cfg.critic_calibration_updates
@@ -784,9 +789,10 @@ def run_rpr(
         fdr = score(usable, "fdr", scales)
         weights = edge.uniform_weights(usable) if edge is not None else [1.0] * len(usable)
         pool_success = sum(w * e.success for w, e in zip(weights, usable)) / len(usable)  # unbiased (not self-normalised)
+        uniform = uniform_groups(usable)
         if edge is not None:
-            edge.observe(usable)
-        uniform = uniform_groups(usable) if cfg.drop_uniform_groups else set()
+            edge.observe(usable, uniform)
+        uniform = uniform if cfg.drop_uniform_groups else set()  # without the filter every group trains
         kept = first_groups([i for i, e in enumerate(usable) if e.task_id not in uniform], usable,
                             cfg.episodes_per_step // cfg.samples_per_task)
         contrast = bool(kept)  # no task with both outcomes: the critic still learns, the actor waits
