@@ -1,0 +1,96 @@
+"""Size an RSR stage on the training pool: success and failure classes before and after.
+
+The RSR rung of the probe ladder (bench/ladder.py is RPR's): load an actor (e.g. a run's
+03-rpr1/actor), measure ``--measure`` training tasks once each, run ``rsr.run_rsr`` with the
+preset's ``--stage`` settings plus overrides, and measure the same tasks with the same seed
+again. Prints success by difficulty, the failure taxonomy (minirsi.failures) and what the SFT
+set held (distinct rewrites by difficulty, turns), and writes ``rsr.json``. Choose settings here,
+on training tasks, never on the evaluation suites.
+
+    python bench/rsr.py --actor RUN/stages/03-rpr1/actor --tasks RUN/tasks/train --out /tmp/r0
+    python bench/rsr.py ... rsr2.lr=1e-4 rsr2.epochs=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from minirsi import failures
+from minirsi.config import load_config
+from minirsi.evaluate import load_suites
+from minirsi.models import load_actor
+from minirsi.recipe import RunConfig, resolve_preset
+from minirsi.rpr import make_rollout_fn
+from minirsi.rsr import run_rsr
+from minirsi.rundir import stage_seed
+
+
+def measure(actor, rollout_fn, tasks: list, seed: int) -> dict:
+    """Each task once (seeded): success overall and by difficulty, and the failure classes."""
+    actor.eval()
+    eps = rollout_fn(actor, tasks, seed)
+    diff = {t.task_id: t.difficulty for t in tasks}
+    by: dict[str, list[int]] = collections.defaultdict(list)
+    for e in eps:
+        by[diff[e.task_id]].append(int(e.success))
+    return {"success": sum(e.success for e in eps) / len(eps),
+            "by_difficulty": {d: sum(v) / len(v) for d, v in sorted(by.items())},
+            "turns": sum(e.turns for e in eps) / len(eps),
+            "failures": failures.summarise(eps, {t.task_id: getattr(t, "path", None) for t in tasks})["counts"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--actor", required=True, help="actor checkpoint (e.g. a run's stages/03-rpr1/actor)")
+    ap.add_argument("--tasks", required=True, help="a folder of tasks (e.g. a run's tasks/train)")
+    ap.add_argument("--stage", default="rsr2", help="the preset's RSR section whose settings apply")
+    ap.add_argument("--measure", type=int, default=600, help="training tasks measured before and after")
+    ap.add_argument("--preset", default="toy-cpu")
+    ap.add_argument("--seed", type=int, default=0, help="the run seed the stage's seed derives from")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="", help="folder for rsr.json")
+    ap.add_argument("overrides", nargs="*", help="preset overrides, e.g. rsr2.lr=1e-4")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = load_config(RunConfig, resolve_preset(args.preset), args.overrides)
+    root = Path(args.tasks)
+    tasks = load_suites(root.parent, [root.name])[root.name]
+    actor, tok = load_actor(args.actor)
+    rollout_fn = make_rollout_fn(tok, cfg.rollout, progress=False)
+    probe = tasks[: args.measure]
+    t0 = time.time()
+    before = measure(actor, rollout_fn, probe, 4242)
+    scfg = dataclasses.replace(getattr(cfg, args.stage), seed=stage_seed(args.seed, args.stage))
+    stats = run_rsr(actor, tok, tasks, scfg, rollout_fn)
+    after = measure(actor, rollout_fn, probe, 4242)
+    diff = {t.task_id: t.difficulty for t in tasks}
+    kept = collections.Counter(diff[k["task_id"]] for k in stats.kept)
+    print(f"RSR set: {stats.sft_examples} distinct rewrites of {stats.runs_verified} verified runs "
+          f"({stats.runs_sampled} sampled), by difficulty {dict(sorted(kept.items()))}, "
+          f"turns {stats.mean_turns_before:.2f} -> {stats.mean_turns_after:.2f}, "
+          f"SFT loss {stats.sft_loss_first:.3f} -> {stats.sft_loss_last:.3f}")
+    for name, m in (("before", before), ("after", after)):
+        print(f"{name:6s} S {100 * m['success']:.1f}%  "
+              + " ".join(f"{d} {100 * v:.1f}" for d, v in m["by_difficulty"].items())
+              + f"  turns {m['turns']:.2f}  failures {m['failures']}")
+    print(f"training-pool success {100 * before['success']:.1f}% -> {100 * after['success']:.1f}%: "
+          f"{100 * (after['success'] - before['success']):+.1f} points ({len(probe)} tasks, {time.time() - t0:.0f} s)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rsr.json").write_text(json.dumps({"overrides": args.overrides, "before": before, "after": after,
+                                                  "kept_by_difficulty": kept, "stats": {k: v for k, v in stats.to_dict().items() if k != "kept"}},
+                                                 indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
