@@ -86,12 +86,6 @@ class RSRConfig:
     """SFT learning rate of this stage (AdamW)."""
     epochs: int = 2
     """SFT passes over the kept rewrites."""
-    balance: str = "none"
-    """"difficulty": each SFT pass repeats the rewrites of a rarer task difficulty so every
-    difficulty weighs about as much as the commonest (at most ``balance_max_repeat`` copies);
-    the verified runs of a capable actor are mostly its easy tasks. "none": each rewrite once."""
-    balance_max_repeat: int = 4
-    """Most copies of one rewrite in an SFT pass (``balance``)."""
     batch_size: int = 8
     """Sequences per SFT optimizer step."""
     max_grad_norm: float = 1.0
@@ -107,11 +101,9 @@ class RSRConfig:
     """Seeds rollouts, SFT shuffling and the planner."""
 
     def __post_init__(self) -> None:
-        if self.balance not in ("none", "difficulty"):
-            raise ValueError(f"RSRConfig.balance={self.balance!r}: use 'none' or 'difficulty'")
         if self.planner not in ("llm", "replay"):
             raise ValueError(f"RSRConfig.planner={self.planner!r}: use 'llm' or 'replay'")
-        for name in ("samples_per_task", "planner_max_new_tokens", "epochs", "batch_size", "balance_max_repeat"):
+        for name in ("samples_per_task", "planner_max_new_tokens", "epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RSRConfig.{name}={getattr(self, name)}: must be >= 1")
         if self.tasks < 0:
@@ -456,7 +448,7 @@ def run_rsr(
                                                      replay, by_id, tokenizer, cfg))
     actor.train(was_training)
     stats.sft_examples = len(examples)
-    losses = sft(actor, balanced(examples, by_id, cfg), cfg, pad_id_of(tokenizer), optimizer, world)
+    losses = sft(actor, list(examples.values()), cfg, pad_id_of(tokenizer), optimizer, world)
     if losses:
         stats.sft_loss_first, stats.sft_loss_last = losses[0], losses[-1]
     stats.seconds = time.perf_counter() - t0
@@ -467,18 +459,6 @@ def run_rsr(
     if log_fn is not None:
         log_fn({k: v for k, v in stats.to_dict().items() if k != "kept"})
     return stats
-
-
-def balanced(examples: dict[tuple[str, tuple[str, ...]], Any], by_id: dict[str, Any], cfg: RSRConfig) -> list[Any]:
-    """The SFT rows of one pass: each example once, or (``cfg.balance == "difficulty"``) the
-    examples of a difficulty with n of them ``min(max_repeat, round(n_max / n))`` times each."""
-    if cfg.balance == "none":
-        return list(examples.values())
-    diff = [getattr(by_id[task_id], "difficulty", "") for task_id, _ in examples]
-    count = {d: diff.count(d) for d in diff}
-    n_max = max(count.values(), default=0)
-    repeat = {d: min(cfg.balance_max_repeat, max(1, round(n_max / n))) for d, n in count.items()}
-    return [ex for ex, d in zip(examples.values(), diff) for _ in range(repeat[d])]
 
 
 def _rewrite(episodes: Sequence[Episode], planner: Planner, replay: ReplayFn, by_id: dict[str, Any],

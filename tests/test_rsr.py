@@ -15,7 +15,6 @@ from minirsi.rsr import (
     ReplayMinimiser,
     RSRConfig,
     Step,
-    balanced,
     clean_transcript,
     sft_loss,
 )
@@ -163,20 +162,6 @@ def test_config_rejects_bad_values():
         RSRConfig(planner="oracle")
     with pytest.raises(ValueError, match="samples_per_task"):
         RSRConfig(samples_per_task=0)
-    with pytest.raises(ValueError, match="'none' or 'difficulty'"):
-        RSRConfig(balance="family")
-
-
-def test_balance_repeats_the_rarer_difficulties_up_to_the_cap():
-    by_id = {f"e{i}": SimpleNamespace(difficulty="easy") for i in range(9)}
-    by_id |= {"m0": SimpleNamespace(difficulty="medium"), "m1": SimpleNamespace(difficulty="medium"),
-              "h0": SimpleNamespace(difficulty="hard")}
-    examples = {(tid, ("true",)): tid for tid in by_id}
-    assert balanced(examples, by_id, RSRConfig()) == list(by_id)  # "none": each once, in order
-    rows = balanced(examples, by_id, RSRConfig(balance="difficulty", balance_max_repeat=4))
-    assert {r: rows.count(r) for r in set(rows)} == {**{f"e{i}": 1 for i in range(9)}, "m0": 4, "m1": 4, "h0": 4}
-    rows = balanced(examples, by_id, RSRConfig(balance="difficulty", balance_max_repeat=20))
-    assert rows.count("m0") == 4 and rows.count("h0") == 9  # round(9 / 2), 9 / 1
 
 
 def test_llm_planner_prompt_holds_task_and_cleaned_run_and_parses_commands():
