@@ -17,10 +17,20 @@ Cleaning (ours; the paper names the goal, not the rules), per command block of a
 
 * a turn that ran nothing (a format error, or a bare TASK_COMPLETE) is dropped;
 * a block whose status in the observation is not ``[exit 0]`` (failed, ``[timed out]``,
-  ``[no exit code]``) is dropped, as is every block of a turn whose sandbox died;
+  ``[no exit code]``) is dropped, as is every block of a turn whose sandbox died, unless it was
+  *recovered*: the run later ran the same command (comment lines aside) again and it exited 0.
+  A recovered failure stays, its error in the observation, so the fix between the two attempts
+  is trained where its cause shows (``RSRConfig.keep_recovered``; a failure directly followed by
+  its own success answered nothing and goes);
 * a block identical to the block kept just before it is dropped (a repeated step), and so is
   a repeat of an earlier read-only inspection (``ls``, ``cat``, ``pwd``, ...: no redirection,
   no pipe into a writer) since it cannot change the state.
+
+Why recovered failures stay: dropping them turns fail -> fix -> redo into fix -> command, a fix
+the agent could not have known it needed (the obstacle shows only in the error). Trained on
+such runs, the toy RPR-1 actor learnt to run fixes blindly and then to stop, the fix's block
+counting as the step's: the episodes of RSR-2 that open with a fix rose from 31 to 143 of 432
+(docs/experiments.md, "RSR-2's drop: recover-first rewrites teach blind fixes").
 
 Cleaning can break a run (a failed command may still have had an effect); the replay catches
 that, so nothing unverified is trained on.
@@ -78,6 +88,9 @@ class RSRConfig:
     """"llm" (the actor rewrites its own cleaned run) or "replay" (ReplayMinimiser)."""
     fallback_to_cleaned: bool = True
     """When the planner's rewrite fails re-verification, try the cleaned transcript itself."""
+    keep_recovered: bool = True
+    """Cleaning keeps a failed block that the run later ran again successfully (its error is what
+    the fix in between answered); False drops every failed block (the recover-first run)."""
     planner_max_new_tokens: int = 256
     """Most tokens the LLM planner may write."""
     planner_temperature: float = 0.0
@@ -134,10 +147,14 @@ _READ_ONLY = {"ls", "cat", "pwd", "head", "tail", "wc", "grep", "find", "stat", 
               "df", "id", "whoami", "which", "type", "env", "printenv", "date", "diff", "sort", "uniq", "less"}
 
 
+def _bare(command: str) -> str:
+    """The command without its comment lines (the toy demonstrator opens every block with one)."""
+    return "\n".join(x for x in command.splitlines() if not x.lstrip().startswith("#")).strip()
+
+
 def _read_only(command: str) -> bool:
-    """A single inspection command with no redirection, no chaining into anything else
-    (comment lines aside: the toy demonstrator opens every block with one)."""
-    command = "\n".join(x for x in command.splitlines() if not x.lstrip().startswith("#")).strip()
+    """A single inspection command with no redirection, no chaining into anything else."""
+    command = _bare(command)
     if any(c in command for c in (">", ";", "&", "|", "`", "$(", "\n")):
         return False
     words = command.split()
@@ -146,22 +163,33 @@ def _read_only(command: str) -> bool:
     return not (words[0] == "find" and any(w in ("-delete", "-exec", "-execdir") for w in words))
 
 
-def clean_transcript(transcript: Sequence[dict[str, Any]]) -> list[Step]:
+def clean_transcript(transcript: Sequence[dict[str, Any]], keep_recovered: bool = True) -> list[Step]:
     """Episode.transcript -> the kept command blocks, in order (rules in the module docstring)."""
+    blocks = [(cmd.strip("\n"), out, good) for turn in transcript
+              for cmd, out, good in actions.read_blocks(turn.get("commands") or [], turn.get("observation"))]
+    recovered, later_ok = [False] * len(blocks), set()
+    for i in reversed(range(len(blocks))):  # a failure is recovered when the same command succeeds later
+        cmd, _, good = blocks[i]
+        if good:
+            later_ok.add(_bare(cmd))
+        else:
+            recovered[i] = keep_recovered and _bare(cmd) in later_ok
     kept: list[Step] = []
+    failed_last = False  # whether kept[-1] is a recovered failure
     seen_reads: set[str] = set()
-    for turn in transcript:
-        for cmd, out, good in actions.read_blocks(turn.get("commands") or [], turn.get("observation")):
-            cmd = cmd.strip("\n")
-            if not good or not cmd.strip():
+    for (cmd, out, good), rec in zip(blocks, recovered):
+        if not cmd.strip() or not (good or rec):
+            continue
+        if kept and kept[-1].command == cmd:
+            if good and failed_last:  # the failure was followed by its own success: nothing answered it
+                kept[-1], failed_last = Step(cmd, out), False
+            continue
+        if _read_only(cmd):
+            if cmd in seen_reads:
                 continue
-            if kept and kept[-1].command == cmd:
-                continue
-            if _read_only(cmd):
-                if cmd in seen_reads:
-                    continue
-                seen_reads.add(cmd)
-            kept.append(Step(cmd, out))
+            seen_reads.add(cmd)
+        kept.append(Step(cmd, out))
+        failed_last = not good
     return kept
 
 
@@ -474,7 +502,7 @@ def _rewrite(episodes: Sequence[Episode], planner: Planner, replay: ReplayFn, by
     with torch.no_grad():
         for ep in verified:
             task = by_id[ep.task_id]
-            cleaned = clean_transcript(ep.transcript)
+            cleaned = clean_transcript(ep.transcript, cfg.keep_recovered)
             commands = planner.rewrite(task, cleaned) if cleaned else []
             stats.rewritten += bool(commands)
             result, source = (replay(task, commands), "planner") if commands else (None, "planner")

@@ -70,10 +70,13 @@ def _sandbox_ready() -> bool:
 
 
 @pytest.mark.skipif(not _sandbox_ready(), reason="bwrap or the sandbox rootfs is missing (scripts/setup.sh)")
-def test_cleaning_turns_fail_then_recover_into_a_verified_recover_first_run(tmp_path):
-    """A run that met each obstacle, read the error, fixed it and ran the command again cleans
-    to the fix first and the command once (the failed attempt is gone), and that rewrite passes
-    the verifier in a fresh sandbox: what RSR trains on is the recover-first run."""
+def test_cleaning_keeps_a_recovered_failure_and_both_cleanings_reverify(tmp_path):
+    """A run that met each obstacle, read the error, fixed it and ran the command again.
+    By default (keep_recovered) the failed attempt stays, its error in its output, before the
+    fix and the same command again: the fix is trained where its cause shows. A ``-f`` redo is
+    another command, so that failure goes and the run starts with the ``-f`` form. With
+    keep_recovered=False every failure goes: the fix first, the command once (recover-first).
+    Both rewrites pass the verifier in a fresh sandbox."""
     import random
 
     from minirsi.rsr import make_replay_fn
@@ -85,20 +88,48 @@ def test_cleaning_turns_fail_then_recover_into_a_verified_recover_first_run(tmp_
     tmp_path.chmod(0o755)
     picked: dict[str, object] = {}
     for inst in suite_instances("train", n=300):
-        for st in inst.steps:
-            if st.obstacle is not None and st.obstacle.kind not in picked:
-                picked[st.obstacle.kind] = inst
+        kinds = {st.obstacle.kind for st in inst.steps if st.obstacle is not None}
+        if len(kinds) == 1:  # one kind of obstacle in the instance
+            picked.setdefault(kinds.pop(), inst)
     assert set(picked) == set(obstacles.OBSTACLES)
     replay = make_replay_fn()
     for kind, inst in picked.items():
         s = corpus.session_for(inst, random.Random(0), choices={"obstacle": "recover", "stop_early": False,
                                                                "retry": False})
         assert any(t.exit_code != 0 for t in s.turns)  # it did meet the obstacle
-        cleaned = [step.command for step in clean_transcript(_recovery_transcript(s))]
-        # fix first, then the command, no failed attempt (each block keeps its comment line)
-        assert [c.split("\n")[-1] for c in cleaned] == inst.solution, kind
         task = load_task(write_task(inst, tmp_path))
-        assert replay(task, cleaned).success, kind
+        transcript = _recovery_transcript(s)
+        recover_first = [step.command for step in clean_transcript(transcript, keep_recovered=False)]
+        assert [c.split("\n")[-1] for c in recover_first] == inst.solution, kind
+        kept = clean_transcript(transcript)
+        if all(st.obstacle.redo is None for st in inst.steps if st.obstacle is not None):
+            # the failed attempt, its fix and the command again: the session's own commands
+            assert [st.command.split("\n")[-1] for st in kept] == [t.command for t in s.turns], kind
+            failed = next(t for t in s.turns if t.exit_code != 0)
+            assert any(st.output == failed.output.rstrip("\n") for st in kept), kind  # its error stays
+        else:  # needs_force: the -f form is another command, so the run cleans to recover-first
+            assert [st.command for st in kept] == recover_first, kind
+        for commands in (recover_first, [st.command for st in kept]):
+            assert replay(task, commands).success, kind
+
+
+def test_a_failure_followed_by_its_own_success_is_not_a_recovery():
+    """Nothing ran between the two attempts, so the failure answered nothing: one block stays.
+    A failure never run again (a wrong name, a dead end) goes either way."""
+    transcript = [
+        {"commands": ["cp a.txt b.txt"], "observation": "cp: busy\n[exit 1]"},
+        {"commands": ["cp a.txt b.txt"], "observation": "[exit 0]"},
+        {"commands": ["cat dog.txt"], "observation": "cat: dog.txt: No such file or directory\n[exit 1]"},
+        {"commands": ["./run.sh"], "observation": "bash: ./run.sh: Permission denied\n[exit 126]"},
+        {"commands": ["./run.sh"], "observation": "bash: ./run.sh: Permission denied\n[exit 126]"},  # a repeat
+        {"commands": ["chmod +x run.sh"], "observation": "[exit 0]"},
+        {"commands": ["# 3. Run run.sh.\n./run.sh"], "observation": "ok\n[exit 0]"},  # comment lines aside
+    ]
+    steps = clean_transcript(transcript)
+    assert [s.command for s in steps] == ["cp a.txt b.txt", "./run.sh", "chmod +x run.sh", "# 3. Run run.sh.\n./run.sh"]
+    assert [s.output for s in steps] == ["", "bash: ./run.sh: Permission denied", "", "ok"]
+    assert [s.command for s in clean_transcript(transcript, keep_recovered=False)] == [
+        "cp a.txt b.txt", "chmod +x run.sh", "# 3. Run run.sh.\n./run.sh"]
 
 
 # ----------------------------------------------------------------------------- minimiser

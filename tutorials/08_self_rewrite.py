@@ -78,7 +78,8 @@ for turn in run.transcript:
 assert run.success and run.turns == len(REPLIES)
 assert statuses[:5] == ["[exit 0]", "[exit 1]", "[exit 0]", "[exit 0]", "[exit 0]"]  # the detour failed
 
-# 2. Cleaning: failed blocks, repeats and repeated inspections go (rules: minirsi/rsr.py's docstring).
+# 2. Cleaning: failed blocks, repeats and repeated inspections go (rules: minirsi/rsr.py's docstring);
+#    a failure the run later recovered from (the same command run again, exit 0) would stay.
 cleaned = clean_transcript(run.transcript)
 print("\n2. cleaned:", [s.command for s in cleaned])
 assert [s.command for s in cleaned] == ["ls", *solution, "pwd"]
