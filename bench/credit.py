@@ -1,6 +1,6 @@
 """The critic and credit-assignment rungs of the probe ladder, over seeds: steps to P >= 0.9.
 
-Runs ``minirsi.probes.bandit`` (the real path: HFSampler -> prepare_batch -> TB-GAE ->
+Runs ``minirsi.run.probes.bandit`` (the real path: HFSampler -> prepare_batch -> TB-GAE ->
 ppo_update) on the tiny random Qwen3 of the unit tests, for each named variant and seed, and
 prints the joint step at which P(rewarded) first reached ``--target`` ("-" = never within
 ``--steps``) and the final P; ``--json`` keeps every curve. tests/test_learning.py asserts what
@@ -35,9 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import tiny_qwen  # noqa: E402  (the unit tests' model)
 
-from minirsi.critic import WarmupConfig, build_critic  # noqa: E402
-from minirsi.probes import ZeroCritic, bandit, steps_to, warm_up_on_bandit  # noqa: E402
-from minirsi.rpr import RPRConfig  # noqa: E402
+from minirsi.core.critic import WarmupConfig, build_critic  # noqa: E402
+from minirsi.core.rpr import RPRConfig  # noqa: E402
+from minirsi.run.probes import ZeroCritic, bandit, steps_to, warm_up_on_bandit  # noqa: E402
 
 OFFSET = dict(reward_values=(10.0, 11.0))
 CREDIT = dict(obs_len=4, later_turns=4, later_tokens=8)

@@ -1,5 +1,5 @@
 """Benchmark: one PPO update (``rpr.prepare_batch`` + ``rpr.ppo_update``) on the same batch in one
-process and sharded with FSDP2 over 2 gloo processes (minirsi/distributed.py), in one run.
+process and sharded with FSDP2 over 2 gloo processes (minirsi/core/distributed.py), in one run.
 
     python bench/distributed.py                       # ~1-2 minutes on 2 CPU cores
     python bench/distributed.py --episodes 32 --hidden 256 --layers 4
@@ -29,11 +29,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minirsi import distributed  # noqa: E402
-from minirsi.critic import build_critic  # noqa: E402
-from minirsi.distributed import SINGLE, max_abs_diff  # noqa: E402
-from minirsi.episode import Episode  # noqa: E402
-from minirsi.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
+from minirsi.core import distributed  # noqa: E402
+from minirsi.core.critic import build_critic  # noqa: E402
+from minirsi.core.distributed import SINGLE, max_abs_diff  # noqa: E402
+from minirsi.core.episode import Episode  # noqa: E402
+from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
 
 
 def build(args: argparse.Namespace):
@@ -93,7 +93,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
     if world.is_main:
         out["seconds"], out["state"] = seconds, state
     distributed.shutdown()
-    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.distributed.exit_rank)
+    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.core.distributed.exit_rank)
 
 
 def main() -> None:

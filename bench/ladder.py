@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 
 from minirsi.config import load_config
-from minirsi.critic import build_critic, warmup_critic
-from minirsi.evaluate import load_suites
-from minirsi.models import load_actor
-from minirsi.recipe import RunConfig, resolve_preset
-from minirsi.rpr import make_rollout_fn, run_rpr, score
-from minirsi.stages import calibrate_scales
+from minirsi.core.critic import build_critic, warmup_critic
+from minirsi.core.rpr import make_rollout_fn, run_rpr, score
+from minirsi.engine.models import load_actor
+from minirsi.run.evaluate import load_suites
+from minirsi.run.recipe import RunConfig, resolve_preset
+from minirsi.run.stages import calibrate_scales
 
 
 def pick_pool(tasks: list, args: argparse.Namespace, rollout_fn, actor) -> tuple[list, dict[str, float]]:

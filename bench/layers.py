@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minirsi.layers import prepare  # noqa: E402
-from minirsi.sandbox import open_sandbox  # noqa: E402
-from minirsi.sandbox.bwrap import default_rootfs  # noqa: E402
-from minirsi.tasks import load_task  # noqa: E402
+from minirsi.env.layers import prepare  # noqa: E402
+from minirsi.env.sandbox import open_sandbox  # noqa: E402
+from minirsi.env.sandbox.bwrap import default_rootfs  # noqa: E402
+from minirsi.env.tasks import load_task  # noqa: E402
 from timing import median_ms  # noqa: E402  (bench/timing.py: this script's folder is on sys.path)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tasks"

@@ -10,7 +10,7 @@ itself after --max-minutes even if this script is killed, and is stopped when th
 ends. Then it compares results.json byte for byte (exit status 1 when they differ), the final
 actor's weights, and per evaluated stage the evaluation episodes: how many have the same token
 ids, their stop reasons, and their median wall time against their median command time (what
-the episode time limit counts, ``minirsi/rollout.py``).
+the episode time limit counts, ``minirsi/engine/rollout.py``).
 
 "Idle" means no load of ours: other jobs on the machine may load either run. The claim is that
 the result does not depend on that. Where it did, a wall-clock limit had fired (up to commit

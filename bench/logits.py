@@ -1,4 +1,4 @@
-"""Benchmark: peak host memory of scoring a sequence, the model's logits against ``minirsi.scoring``.
+"""Benchmark: peak host memory of scoring a sequence, the model's logits against ``minirsi.core.scoring``.
 
     python bench/logits.py                          # ~1 minute on 2 CPU cores, ~2.5 GB at its peak
     python bench/logits.py --tokens 4096 --vocab 65536 --chunk 512
@@ -11,7 +11,7 @@ included) and RSR's SFT pass (``rsr.sft_loss`` and its backward). Each of the si
 three x whole / chunked) runs in a fresh process on a random 2-layer Qwen3 whose vocabulary is
 large (``--vocab``), so the (T, V) tensors dominate. It prints the peak resident memory above
 the process's baseline (``VmHWM``, reset just before the pass), that peak divided by T x V
-(bytes per token per vocabulary entry: what ``minirsi.memplan`` charges a whole pass) and, for
+(bytes per token per vocabulary entry: what ``minirsi.run.memplan`` charges a whole pass) and, for
 the chunked cases, divided by c x V (c = ``--chunk``: what it charges a chunked one). Each
 chunked case also checks its result against the whole path on the same inputs (largest
 |difference| of log-probs, entropies and, with gradients, parameter gradients).
@@ -48,8 +48,8 @@ def model_and_inputs(args: argparse.Namespace):
 
 
 def score(model, ids, kind: str, chunk: int, entropy_grad: bool):
-    from minirsi.rpr import policy_forward
-    from minirsi.rsr import sft_loss
+    from minirsi.core.rpr import policy_forward
+    from minirsi.core.rsr import sft_loss
 
     model.zero_grad(set_to_none=True)
     ones = torch.ones_like(ids)

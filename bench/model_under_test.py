@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minirsi.models import build_tiny_actor, build_tokenizer, load_actor
+from minirsi.engine.models import build_tiny_actor, build_tokenizer, load_actor
 
 
 def load_model(path: str | None, tasks: list) -> tuple[Any, Any]:

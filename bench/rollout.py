@@ -50,9 +50,9 @@ import tempfile
 
 import torch
 
-from minirsi.rollout import RolloutConfig, RolloutStats, collect
-from minirsi.sampler import HFSampler
-from minirsi.sandbox import BACKENDS
+from minirsi.engine.rollout import RolloutConfig, RolloutStats, collect
+from minirsi.engine.sampler import HFSampler
+from minirsi.env.sandbox import BACKENDS
 from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from minirsi.tasks import load_tasks
+    from minirsi.env.tasks import load_tasks
     from toy_envs import generate_suite
 
     with tempfile.TemporaryDirectory() as d:

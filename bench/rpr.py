@@ -44,10 +44,10 @@ import time
 
 import torch
 
-from minirsi.critic import build_critic
-from minirsi.episode import Episode
-from minirsi.models import pad_id_of
-from minirsi.rpr import RPRConfig, make_optimizers, make_rollout_fn, ppo_update, prepare_batch, run_rpr
+from minirsi.core.critic import build_critic
+from minirsi.core.episode import Episode
+from minirsi.core.rpr import RPRConfig, make_optimizers, make_rollout_fn, ppo_update, prepare_batch, run_rpr
+from minirsi.engine.models import pad_id_of
 from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
 
 
@@ -97,8 +97,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from minirsi.rollout import RolloutConfig
-    from minirsi.tasks import load_tasks
+    from minirsi.engine.rollout import RolloutConfig
+    from minirsi.env.tasks import load_tasks
     from toy_envs import generate_suite
 
     with tempfile.TemporaryDirectory() as d:

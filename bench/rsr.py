@@ -3,7 +3,7 @@
 The RSR rung of the probe ladder (bench/ladder.py is RPR's): load an actor (e.g. a run's
 03-rpr1/actor), measure ``--measure`` training tasks once each, run ``rsr.run_rsr`` with the
 preset's ``--stage`` settings plus overrides, and measure the same tasks with the same seed
-again. Prints success by difficulty, the failure taxonomy (minirsi.failures) and what the SFT
+again. Prints success by difficulty, the failure taxonomy (minirsi.run.failures) and what the SFT
 set held (distinct rewrites by difficulty, turns), and writes ``rsr.json``. Choose settings here,
 on training tasks, never on the evaluation suites.
 
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from minirsi import failures
 from minirsi.config import load_config
-from minirsi.evaluate import load_suites
-from minirsi.models import load_actor
-from minirsi.recipe import RunConfig, resolve_preset
-from minirsi.rpr import make_rollout_fn
-from minirsi.rsr import run_rsr
-from minirsi.rundir import stage_seed
+from minirsi.core.rpr import make_rollout_fn
+from minirsi.core.rsr import run_rsr
+from minirsi.engine.models import load_actor
+from minirsi.run import failures
+from minirsi.run.evaluate import load_suites
+from minirsi.run.recipe import RunConfig, resolve_preset
+from minirsi.run.rundir import stage_seed
 
 
 def measure(actor, rollout_fn, tasks: list, seed: int) -> dict:

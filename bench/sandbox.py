@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minirsi.sandbox import SandboxError, open_sandbox  # noqa: E402
-from minirsi.tasks import load_task  # noqa: E402
+from minirsi.env.sandbox import SandboxError, open_sandbox  # noqa: E402
+from minirsi.env.tasks import load_task  # noqa: E402
 from timing import median_ms  # noqa: E402  (bench/timing.py: this script's folder is on sys.path)
 
 TASK = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tasks" / "good" / "hello"

@@ -1,5 +1,5 @@
 """Benchmark: host memory of loading a checkpoint into FSDP2 shards on 2 gloo processes, the
-every-rank way against ``World.load_sharded`` (minirsi/distributed.py), in one run.
+every-rank way against ``World.load_sharded`` (minirsi/core/distributed.py), in one run.
 
     python bench/sharded_load.py                     # ~1-2 minutes on 2 CPU cores, ~3 GB of memory
     python bench/sharded_load.py --hidden 1024 --layers 16 --vocab 32768
@@ -38,9 +38,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minirsi import distributed  # noqa: E402
-from minirsi.distributed import max_abs_diff  # noqa: E402
-from minirsi.models import build_tokenizer, load_actor, load_actor_sharded, save_actor  # noqa: E402
+from minirsi.core import distributed  # noqa: E402
+from minirsi.core.distributed import max_abs_diff  # noqa: E402
+from minirsi.engine.models import build_tokenizer, load_actor, load_actor_sharded, save_actor  # noqa: E402
 
 MODES = ("every rank", "rank 0 loads", "rank 0 loads, servers")
 
@@ -96,7 +96,7 @@ def worker(rank: int, port: int, mode: str, ckpt: str, out: dict) -> None:
         record["diff"] = max_abs_diff(state, {k: saved[k] for k in state})
     out[(mode, rank)] = record
     distributed.shutdown()
-    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.distributed.exit_rank)
+    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.core.distributed.exit_rank)
 
 
 def free_port() -> int:

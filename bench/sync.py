@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from minirsi.critic import build_critic
-from minirsi.models import LoraSettings, attach_lora, save_actor
-from minirsi.rollout import RolloutConfig
-from minirsi.rpr import RPRConfig, make_optimizers, make_rollout_fn, run_rpr
-from minirsi.sampler import OpenAISampler
-from minirsi.weight_sync import WeightSync
+from minirsi.core.critic import build_critic
+from minirsi.core.rpr import RPRConfig, make_optimizers, make_rollout_fn, run_rpr
+from minirsi.engine.models import LoraSettings, attach_lora, save_actor
+from minirsi.engine.rollout import RolloutConfig
+from minirsi.engine.sampler import OpenAISampler
+from minirsi.engine.weight_sync import WeightSync
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rpr import load_model  # noqa: E402  (bench/rpr.py: the same model)
@@ -89,7 +89,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from minirsi.tasks import load_tasks
+    from minirsi.env.tasks import load_tasks
     from toy_envs import generate_suite
 
     with tempfile.TemporaryDirectory() as d:

@@ -1,11 +1,11 @@
 """Benchmark: TB-GAE against the memory-bound floor and against the per-token loop.
 
 Builds B=8 sequences of T=262,144 tokens (the paper's context length), each with ~100 turns
-and half of its tokens observations, laid out as ``minirsi.episode.collate`` lays them out
+and half of its tokens observations, laid out as ``minirsi.core.episode.collate`` lays them out
 (prompt, then per turn: action tokens, observation tokens; turn ids non-decreasing), with the
 episode reward on the last action token. Prints, all measured in this one run:
 
-- ``tb_gae``: what training runs (``impl="fast"``, minirsi/tb_gae_fast.py);
+- ``tb_gae``: what training runs (``impl="fast"``, minirsi/core/tb_gae_fast.py);
 - ``floor``: one ``flip`` + ``cumsum`` + ``flip`` over the same (B, T) tensor, the cost of a
   single reverse scan that any implementation must at least pay; target tb_gae / floor <= 3;
 - ``loop``: ``tb_gae_reference`` (the loop over positions, vectorised over the batch) timed on
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from minirsi.tb_gae import tb_gae, tb_gae_plain, tb_gae_reference
+from minirsi.core.tb_gae import tb_gae, tb_gae_plain, tb_gae_reference
 
 
 def make_batch(B: int, T: int, turns: int, seed: int = 0, device: str = "cpu"):

@@ -12,15 +12,15 @@ import sys
 
 # name -> (module, one-line help). Order is the order a learner meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "task": ("minirsi.task_cli", "validate tasks and replay commands in a sandbox"),
-    "pretrain": ("minirsi.pretrain", "train the tiny Base model on generated shell sessions"),
-    "rollout": ("minirsi.rollout", "run the agent on tasks and write episodes as JSONL"),
-    "serve": ("minirsi.serve", "serve a model over an OpenAI-compatible completions API"),
-    "run": ("minirsi.recipe", "the five-stage recipe: Base -> RSR-1 -> RPR-1 -> RSR-2 -> RPR-2"),
-    "eval": ("minirsi.evaluate", "Mean@3 of a checkpoint on the toy suites"),
-    "report": ("minirsi.report", "write the Markdown report and plots of a run"),
-    "audit": ("minirsi.report", "rescore a run's episodes under FDR and SPR"),
-    "plan": ("minirsi.memplan", "memory per GPU and step time of a sharded run, before queueing it"),
+    "task": ("minirsi.env.task_cli", "validate tasks and replay commands in a sandbox"),
+    "pretrain": ("minirsi.run.pretrain", "train the tiny Base model on generated shell sessions"),
+    "rollout": ("minirsi.engine.rollout", "run the agent on tasks and write episodes as JSONL"),
+    "serve": ("minirsi.engine.serve", "serve a model over an OpenAI-compatible completions API"),
+    "run": ("minirsi.run.recipe", "the five-stage recipe: Base -> RSR-1 -> RPR-1 -> RSR-2 -> RPR-2"),
+    "eval": ("minirsi.run.evaluate", "Mean@3 of a checkpoint on the toy suites"),
+    "report": ("minirsi.run.report", "write the Markdown report and plots of a run"),
+    "audit": ("minirsi.run.report", "rescore a run's episodes under FDR and SPR"),
+    "plan": ("minirsi.run.memplan", "memory per GPU and step time of a sharded run, before queueing it"),
 }
 
 

@@ -21,7 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from minirsi.atomic import atomic_write_text
+from minirsi.core.atomic import atomic_write_text
 
 T = TypeVar("T")
 

@@ -13,10 +13,10 @@ What it does, in order (nothing is downloaded: the GPU machine may have no netwo
 2. Starts ``bash scale/serve_vllm.sh DIR PORT`` (the flags minirsi needs, the worker extension,
    ``--gpu-memory-utilization 0.3`` so the trainer shares the GPU) and waits for /health.
 3. Asks the server for the log-probs of a probe sequence (``prompt_logprobs``): the start.
-4. Shards actor and critic with ``minirsi.distributed.fsdp2`` (bf16 layers, fp32 heads) over a
+4. Shards actor and critic with ``minirsi.core.distributed.fsdp2`` (bf16 layers, fp32 heads) over a
    one-rank NCCL group and runs the library's own ``rsr.sft`` and ``rpr.prepare_batch`` +
    ``rpr.ppo_update`` on synthetic episodes with the action/observation structure of real
-   ones; prints tokens/s and peak memory per step beside ``minirsi.memplan``'s prediction.
+   ones; prints tokens/s and peak memory per step beside ``minirsi.run.memplan``'s prediction.
 5. Doubles the trained actor's final-norm weight (every logit x 2: a change the stale server
    cannot hide), syncs it to the server (``WeightSync``: bf16 safetensors,
    ``/collective_rpc minirsi_load_weights``, ``/reset_prefix_cache``) and prints the largest
@@ -50,12 +50,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from minirsi.critic import build_critic  # noqa: E402
-from minirsi.distributed import _plain_key, filled, fsdp2, meta_copy  # noqa: E402
-from minirsi.episode import Episode  # noqa: E402
-from minirsi.memplan import GIB, KNOWN_SHAPES, Passes, ScaleConfig, plan  # noqa: E402
-from minirsi.rpr import RPRConfig, make_optimizers, policy_forward, ppo_update, prepare_batch  # noqa: E402
-from minirsi.rsr import RSRConfig, make_optimizer, sft  # noqa: E402
+from minirsi.core.critic import build_critic  # noqa: E402
+from minirsi.core.distributed import _plain_key, filled, fsdp2, meta_copy  # noqa: E402
+from minirsi.core.episode import Episode  # noqa: E402
+from minirsi.core.rpr import RPRConfig, make_optimizers, policy_forward, ppo_update, prepare_batch  # noqa: E402
+from minirsi.core.rsr import RSRConfig, make_optimizer, sft  # noqa: E402
+from minirsi.run.memplan import GIB, KNOWN_SHAPES, Passes, ScaleConfig, plan  # noqa: E402
 
 
 def synthetic_episodes(n: int, seq_len: int, vocab: int, seed: int = 0) -> list[Episode]:
@@ -90,7 +90,7 @@ def save_model(out: Path, seq_len: int) -> tuple[torch.nn.Module, int]:
     """The Qwen3-0.6B-shaped actor (fp32, CPU) and its padded tokenizer, saved to ``out``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from minirsi.models import build_tokenizer, save_actor
+    from minirsi.engine.models import build_tokenizer, save_actor
 
     s = KNOWN_SHAPES["Qwen/Qwen3-0.6B"]
     tok = build_tokenizer(["```bash\nls -la /app && cat notes.txt\n```\n<|im_end|>\n"] * 20, vocab_size=512)
@@ -156,8 +156,8 @@ def main() -> int:
     if shutil.which(os.environ.get("VLLM", "vllm")) is None:
         print("gpu_check: no `vllm` on PATH; pip install 'minirsi[scale]' (vLLM) first", file=sys.stderr)
         return 1
-    from minirsi.sampler import OpenAISampler
-    from minirsi.weight_sync import WeightSync, server_prompt_logprobs
+    from minirsi.engine.sampler import OpenAISampler
+    from minirsi.engine.weight_sync import WeightSync, server_prompt_logprobs
 
     work = Path(tempfile.mkdtemp(prefix="minirsi-gpu-check-"))
     url, log = f"http://127.0.0.1:{args.port}", work / "vllm.log"

@@ -15,7 +15,7 @@
 #   --generation-config vllm            vLLM's neutral sampling defaults, not the model's
 #                                       generation_config.json (Qwen3's: top_k 20, top_p 0.95);
 #                                       minirsi also sends every sampling field and ignore_eos
-#                                       (minirsi/sampler.py, OpenAISampler)
+#                                       (minirsi/engine/sampler.py, OpenAISampler)
 #   --return-tokens-as-token-ids        "token_id:N" strings, a fallback when a server build
 #                                       lacks the per-request return_token_ids field
 #   --max-logprobs 1                    minirsi asks only for the sampled token's log-prob

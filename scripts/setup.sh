@@ -28,7 +28,7 @@ if [ ! -x "$ROOTFS/usr/bin/python3" ]; then
   echo "[setup] building the sandbox rootfs in $ROOTFS (debootstrap, ~1 min)"
   mkdir -p "$(dirname "$ROOTFS")"
   rm -rf "$ROOTFS.partial"
-  # the same --include as minirsi/layers.py ROOTFS_PACKAGES (the Debian 13 base `task prepare` builds)
+  # the same --include as minirsi/env/layers.py ROOTFS_PACKAGES (the Debian 13 base `task prepare` builds)
   $SUDO debootstrap --variant=minbase \
     --include=python3,python3-pytest,git,procps,tar,gzip,bzip2,xz-utils,zip,unzip,bc,gawk,findutils,diffutils,patch \
     bookworm "$ROOTFS.partial" http://deb.debian.org/debian >/dev/null

@@ -16,11 +16,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from minirsi import distributed  # noqa: E402
-from minirsi.critic import WarmupConfig, build_critic, warmup_critic  # noqa: E402
-from minirsi.distributed import SINGLE, max_abs_diff  # noqa: E402
-from minirsi.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
-from minirsi.rsr import RSRConfig, make_optimizer, sft  # noqa: E402
+from minirsi.core import distributed  # noqa: E402
+from minirsi.core.critic import WarmupConfig, build_critic, warmup_critic  # noqa: E402
+from minirsi.core.distributed import SINGLE, max_abs_diff  # noqa: E402
+from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
+from minirsi.core.rsr import RSRConfig, make_optimizer, sft  # noqa: E402
 from test_rpr import synthetic_episode  # noqa: E402
 from tiny import tiny_qwen  # noqa: E402
 
@@ -34,7 +34,7 @@ def models(lora: bool):
     actor = tiny_qwen(seed=0)
     critic = build_critic(actor, head_init_std=0.1)  # a non-zero head: the backbone gets gradients at once
     if lora:
-        from minirsi.models import LoraSettings, attach_lora
+        from minirsi.engine.models import LoraSettings, attach_lora
 
         torch.manual_seed(1)
         actor = attach_lora(actor, LoraSettings(r=4, alpha=8))
@@ -128,7 +128,7 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(result))
     distributed.shutdown()
-    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.distributed.exit_rank)
+    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.core.distributed.exit_rank)
 
 
 if __name__ == "__main__":

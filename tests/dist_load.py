@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from minirsi import distributed  # noqa: E402
-from minirsi.critic import build_critic, load_critic, load_critic_sharded  # noqa: E402
-from minirsi.distributed import max_abs_diff  # noqa: E402
-from minirsi.models import LoraSettings, actor_skeleton, load_actor, load_actor_sharded  # noqa: E402
-from minirsi.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
+from minirsi.core import distributed  # noqa: E402
+from minirsi.core.critic import build_critic, load_critic, load_critic_sharded  # noqa: E402
+from minirsi.core.distributed import max_abs_diff  # noqa: E402
+from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
+from minirsi.engine.models import LoraSettings, actor_skeleton, load_actor, load_actor_sharded  # noqa: E402
 from test_rpr import synthetic_episode  # noqa: E402
 
 
@@ -149,7 +149,7 @@ def main() -> None:
     if world.is_main:
         out.write_text(json.dumps(result, indent=1))
     distributed.shutdown()
-    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.distributed.exit_rank)
+    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.core.distributed.exit_rank)
 
 
 if __name__ == "__main__":

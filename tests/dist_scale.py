@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from minirsi import distributed  # noqa: E402
-from minirsi.critic import build_critic, load_critic_sharded, save_critic  # noqa: E402
-from minirsi.distributed import fsdp2, max_abs_diff  # noqa: E402
-from minirsi.memplan import ScaleConfig  # noqa: E402
-from minirsi.models import build_tokenizer, load_actor_sharded, save_actor  # noqa: E402
-from minirsi.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
+from minirsi.core import distributed  # noqa: E402
+from minirsi.core.critic import build_critic, load_critic_sharded, save_critic  # noqa: E402
+from minirsi.core.distributed import fsdp2, max_abs_diff  # noqa: E402
+from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
+from minirsi.engine.models import build_tokenizer, load_actor_sharded, save_actor  # noqa: E402
+from minirsi.run.memplan import ScaleConfig  # noqa: E402
 from test_rpr import synthetic_episode  # noqa: E402
 from tiny import tiny_qwen  # noqa: E402
 

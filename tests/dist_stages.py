@@ -25,11 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from minirsi import distributed, rollout, stages  # noqa: E402
 from minirsi.config import load_config  # noqa: E402
-from minirsi.memplan import ScaleConfig  # noqa: E402
-from minirsi.recipe import RunConfig  # noqa: E402
-from minirsi.rundir import RunDir, StageInputs, StageSpec  # noqa: E402
+from minirsi.core import distributed  # noqa: E402
+from minirsi.engine import rollout  # noqa: E402
+from minirsi.run import stages  # noqa: E402
+from minirsi.run.memplan import ScaleConfig  # noqa: E402
+from minirsi.run.recipe import RunConfig  # noqa: E402
+from minirsi.run.rundir import RunDir, StageInputs, StageSpec  # noqa: E402
 from test_rpr import synthetic_episode  # noqa: E402
 
 

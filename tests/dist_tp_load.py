@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from minirsi.models import load_actor
+from minirsi.engine.models import load_actor
 from vllm_worker_ext import MinirsiWorkerExtension  # scale/serving on PYTHONPATH, as serve_vllm.sh sets it
 
 

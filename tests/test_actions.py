@@ -1,4 +1,4 @@
-"""Tests for minirsi/actions.py: the action format and segment-by-segment token rendering."""
+"""Tests for minirsi/core/actions.py: the action format and segment-by-segment token rendering."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirsi.actions import (
+from minirsi.core.actions import (
     COMPLETE,
     FORMAT_REMINDER,
     SYSTEM_PROMPT,
@@ -21,7 +21,7 @@ from minirsi.actions import (
     render_prompt_ids,
     render_session,
 )
-from minirsi.models import build_tokenizer
+from minirsi.engine.models import build_tokenizer
 
 F = "```"
 

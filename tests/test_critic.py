@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirsi.critic import (
+from minirsi.core.critic import (
     ValueModel,
     WarmupConfig,
     build_critic,
@@ -23,7 +23,7 @@ from minirsi.critic import (
     value_loss,
     warmup_critic,
 )
-from minirsi.episode import Episode
+from minirsi.core.episode import Episode
 from tiny import VOCAB, tiny_qwen
 
 

@@ -1,4 +1,4 @@
-"""FSDP2 data parallelism (minirsi/distributed.py): 2 gloo processes on the CPU give the
+"""FSDP2 data parallelism (minirsi/core/distributed.py): 2 gloo processes on the CPU give the
 one-process update, the world-size-1 hooks are the identity, and checkpoints reload anywhere."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirsi import distributed
-from minirsi.distributed import SINGLE, World, max_abs_diff
+from minirsi.core import distributed
+from minirsi.core.distributed import SINGLE, World, max_abs_diff
 from test_serving import procs  # noqa: F401  (a fixture: `minirsi serve` processes)
 
 ROOT = Path(__file__).parents[1]
@@ -122,7 +122,7 @@ def test_scale_path_on_two_ranks(tmp_path):
     assert r["optimizer_loaded"] == 1.0 and r["optimizer_state_diff"] == 0.0
     assert r["resumed_update_diff"] == 0.0 and r["resumed_update_moved"] > 1e-4
     # one process reads the sharded checkpoint (DCP reshards): the gathered state, by name
-    from minirsi.rpr import RPRConfig, make_optimizers
+    from minirsi.core.rpr import RPRConfig, make_optimizers
     from tiny import tiny_qwen
 
     saved = torch.load(out.with_suffix(".optim.pt"), weights_only=False)
@@ -164,8 +164,8 @@ def test_warmup_and_evaluation_are_sharded_on_two_ranks(tmp_path):
 
 def _checkpoints(root: Path) -> Path:
     """A saved tiny actor (with a ChatML tokenizer) and a saved critic with a non-zero head."""
-    from minirsi.critic import build_critic, save_critic
-    from minirsi.models import build_tokenizer, save_actor
+    from minirsi.core.critic import build_critic, save_critic
+    from minirsi.engine.models import build_tokenizer, save_actor
     from tiny import tiny_qwen
 
     tok = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
@@ -178,8 +178,8 @@ def _checkpoints(root: Path) -> Path:
 def test_world_size_one_loads_as_before(tmp_path):
     """At world size 1, load_sharded is load() (build() is never called) and load_actor_sharded
     is load_actor: the same weights, the same module types."""
-    from minirsi.critic import fingerprint, load_critic, load_critic_sharded
-    from minirsi.models import load_actor, load_actor_sharded
+    from minirsi.core.critic import fingerprint, load_critic, load_critic_sharded
+    from minirsi.engine.models import load_actor, load_actor_sharded
 
     root = _checkpoints(tmp_path)
     model = torch.nn.Linear(2, 2)
@@ -193,7 +193,7 @@ def test_world_size_one_loads_as_before(tmp_path):
 def test_meta_copy_holds_no_weights_and_filled_restores_them():
     """The skeleton rank 0 keeps instead of an unsharded copy: meta parameters, real buffers
     (RoPE's inv_freq), ties kept; filled() puts a state dict back without copying it."""
-    from minirsi.distributed import filled, meta_copy
+    from minirsi.core.distributed import filled, meta_copy
     from tiny import tiny_qwen
 
     model = tiny_qwen(seed=0)
@@ -264,8 +264,8 @@ CI_OVERRIDES = ["suites.train=4", "suites.core=4", "rsr1.samples_per_task=1", "r
 
 
 def _check_run(run_dir: Path, extra: tuple[str, ...] = ()) -> dict:
-    from minirsi.critic import load_critic
-    from minirsi.models import load_actor
+    from minirsi.core.critic import load_critic
+    from minirsi.engine.models import load_actor
 
     results = json.loads((run_dir / "results.json").read_text())
     assert set(results) == {"base", "rpr2"}
@@ -333,7 +333,7 @@ def test_kill_a_two_process_run_then_resume(tmp_path, resume_nproc):
     import threading
     import time
 
-    from minirsi.runlock import RunDirBusy, RunLock
+    from minirsi.run.runlock import RunDirBusy, RunLock
 
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -393,8 +393,8 @@ def test_lora_recipe_option(tmp_path, nproc):
     adapter = out / "stages/03-rpr1/adapter"
     assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").is_file()
     # RPR-1 trained its adapters: its merged actor differs from RSR-1's
-    from minirsi.critic import fingerprint
-    from minirsi.models import load_actor
+    from minirsi.core.critic import fingerprint
+    from minirsi.engine.models import load_actor
 
     a, _ = load_actor(out / "stages/01-rsr1/actor")
     b, _ = load_actor(out / "stages/03-rpr1/actor")
@@ -423,8 +423,8 @@ def test_accelerate_launch_two_cpu_processes(tmp_path):
 def test_torchrun_rpr_pushes_the_gathered_actor_to_servers(procs, tmp_path):
     """Under torchrun (2 ranks), RPR samples on two `minirsi serve` processes; after every joint
     update the sharded actor is gathered to rank 0 and pushed (tests/test_serving.py's run, sharded)."""
-    from minirsi.models import build_tiny_actor, build_tokenizer, load_actor, save_actor
-    from minirsi.weight_sync import server_prompt_logprobs
+    from minirsi.engine.models import build_tiny_actor, build_tokenizer, load_actor, save_actor
+    from minirsi.engine.weight_sync import server_prompt_logprobs
     from test_serving import TOL, _gap, _probe, _trainer_logprobs
 
     tok = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from minirsi.sandbox import SandboxError, open_sandbox
-from minirsi.task_cli import run_empty, run_oracle
-from minirsi.tasks import load_task
-from minirsi.verifier import verify
+from minirsi.env.sandbox import SandboxError, open_sandbox
+from minirsi.env.task_cli import run_empty, run_oracle
+from minirsi.env.tasks import load_task
+from minirsi.env.verifier import verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
 HELLO = load_task(FIXTURES / "good" / "hello")
@@ -27,7 +27,7 @@ def _engine_problem() -> str | None:
     if not os.environ.get("DOCKER_HOST"):
         return "DOCKER_HOST is unset (bash scripts/dockerd.sh start; eval \"$(bash scripts/dockerd.sh env)\")"
     try:
-        from minirsi.sandbox.docker import BASE_IMAGE, client_from_env
+        from minirsi.env.sandbox.docker import BASE_IMAGE, client_from_env
 
         client = client_from_env()
         client.images.get(BASE_IMAGE)
@@ -143,7 +143,7 @@ def _tb2_copy(tmp_path, dockerfile: str | None = None, image: str | None = None)
 
 
 def test_docker_image_is_used_when_the_engine_has_it(tmp_path):
-    from minirsi.sandbox.docker import BASE_IMAGE, client_from_env
+    from minirsi.env.sandbox.docker import BASE_IMAGE, client_from_env
 
     client = client_from_env()
     name = f"minirsi-test/loaded:{os.getpid()}"  # stands for an image the user `docker load`ed

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirsi import evaluate as ev
-from minirsi.episode import Episode
+from minirsi.core.episode import Episode
+from minirsi.run import evaluate as ev
 
 
 def ep(task: str, success: bool, passed: int = 0, total: int = 4, difficulty: str = "easy", turns: int = 2) -> Episode:
@@ -81,7 +81,7 @@ def test_with_k_attempts_each_mean_at_k_is_the_pooled_success_rate_in_any_order(
 
 
 def test_evaluate_runs_k_attempts_per_task_and_writes_episodes(tmp_path, monkeypatch):
-    from minirsi import rollout
+    from minirsi.engine import rollout
 
     calls = []
 
@@ -101,7 +101,7 @@ def test_evaluate_runs_k_attempts_per_task_and_writes_episodes(tmp_path, monkeyp
             return self
 
     monkeypatch.setattr(rollout, "collect", fake_collect)
-    monkeypatch.setattr("minirsi.sampler.HFSampler", lambda model, tok: SimpleNamespace(model=model))
+    monkeypatch.setattr("minirsi.engine.sampler.HFSampler", lambda model, tok: SimpleNamespace(model=model))
     task = lambda i, d="easy": SimpleNamespace(task_id=f"t{i}", difficulty=d)  # noqa: E731
     suites = {"core": [task(0), task(1)], "long": [task(2, "hard")]}
     actor = Actor()
@@ -128,11 +128,11 @@ def test_cli_missing_suite_dir_is_a_clear_error(tmp_path, capsys):
 
 
 def test_cli_passes_temperature_and_rejects_a_negative_one(tmp_path, capsys, monkeypatch):
-    import minirsi.models
+    import minirsi.engine.models
 
     seen = {}
     monkeypatch.setattr(ev, "load_suites", lambda root, names: {})
-    monkeypatch.setattr(minirsi.models, "load_actor", lambda path: (None, None))
+    monkeypatch.setattr(minirsi.engine.models, "load_actor", lambda path: (None, None))
     monkeypatch.setattr(ev, "evaluate", lambda *a, rollout_cfg, **k: seen.setdefault("cfg", rollout_cfg) and {})
     args = ["--model", str(tmp_path), "--tasks", str(tmp_path), "--suites", "core"]
     assert ev.cli(args + ["--temperature", "0"]) == 0

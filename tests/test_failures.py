@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from minirsi import failures
-from minirsi.episode import Episode
+from minirsi.core.episode import Episode
+from minirsi.run import failures
 
 # A toy task of two steps: "Write plum to cat.txt." (cat.txt is there read-only) and
 # "Copy dog.txt to fox.txt." (no obstacle); what toy_envs writes to solution/toy.json.

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from minirsi.layers import cache_dir, prepare
-from minirsi.sandbox import open_sandbox
-from minirsi.sandbox.bwrap import default_rootfs
-from minirsi.tasks import load_task
-from minirsi.verifier import verify
+from minirsi.env.layers import cache_dir, prepare
+from minirsi.env.sandbox import open_sandbox
+from minirsi.env.sandbox.bwrap import default_rootfs
+from minirsi.env.tasks import load_task
+from minirsi.env.verifier import verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
 HELLO = load_task(FIXTURES / "good" / "hello")  # the `base` fixture swaps in the layered copy

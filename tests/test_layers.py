@@ -1,5 +1,5 @@
-"""Environment layers (minirsi/layers.py), the Dockerfile reader (minirsi/dockerfile.py) and the
-verifier's offline stand-ins (minirsi/sandbox/verifier_shims.py).
+"""Environment layers (minirsi/env/layers.py), the Dockerfile reader (minirsi/env/dockerfile.py) and the
+verifier's offline stand-ins (minirsi/env/sandbox/verifier_shims.py).
 
 The fast tests read Dockerfiles and test.sh files and call the stand-ins on the host. The slow
 ones prepare the Terminal-Bench 2 shaped fixture tests/fixtures/tasks/tb2/word-stats (two
@@ -26,15 +26,15 @@ from pathlib import Path
 
 import pytest
 
-from minirsi.dockerfile import DockerfileError, map_base, parse_dockerfile, substitute
-from minirsi.layers import (ROOTFS_PACKAGES, LayerError, ToolSpec, base_rootfs, ensure_base, find_prepared, prepare,
+from minirsi.env.dockerfile import DockerfileError, map_base, parse_dockerfile, substitute
+from minirsi.env.layers import (ROOTFS_PACKAGES, LayerError, ToolSpec, base_rootfs, ensure_base, find_prepared, prepare,
                             read_tool_spec)
-from minirsi.sandbox import SandboxError, open_sandbox
-from minirsi.sandbox import verifier_shims as shims
-from minirsi.sandbox.bwrap import default_rootfs
-from minirsi.task_cli import check_task, cli
-from minirsi.tasks import load_task
-from minirsi.verifier import verify
+from minirsi.env.sandbox import SandboxError, open_sandbox
+from minirsi.env.sandbox import verifier_shims as shims
+from minirsi.env.sandbox.bwrap import default_rootfs
+from minirsi.env.task_cli import check_task, cli
+from minirsi.env.tasks import load_task
+from minirsi.env.verifier import verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
 WORD_STATS = FIXTURES / "tb2" / "word-stats"
@@ -98,7 +98,7 @@ def test_setup_sh_builds_the_same_packages_as_the_trixie_base():
 
 
 def test_a_missing_trixie_base_is_unprepared_and_without_debootstrap_named(tmp_path, monkeypatch):
-    import minirsi.layers as layers_mod
+    import minirsi.env.layers as layers_mod
 
     monkeypatch.setenv("MINIRSI_ROOTFS_TRIXIE", str(tmp_path / "rootfs-trixie"))
     monkeypatch.setenv("MINIRSI_LAYERS", str(tmp_path / "layers"))
@@ -118,7 +118,7 @@ def test_the_trixie_base_is_built_once_atomically(tmp_path, monkeypatch):
     when complete; a failed one leaves nothing and names the command."""
     import threading
 
-    import minirsi.layers as layers_mod
+    import minirsi.env.layers as layers_mod
 
     runs = tmp_path / "runs"
     fake = ('echo run >> "$0"; sleep 0.3; [ -n "$FAIL" ] && { echo "E: Failed getting release file"; exit 1; }; '
@@ -146,7 +146,7 @@ def test_the_trixie_base_is_built_once_atomically(tmp_path, monkeypatch):
 
 
 def test_a_failed_run_on_a_differing_base_says_the_base_differs(tmp_path, monkeypatch):
-    import minirsi.layers as layers_mod
+    import minirsi.env.layers as layers_mod
 
     def failing_build(key, lowers, steps, context, timeout, meta, log):
         raise LayerError("Dockerfile:3: RUN apt-get source pmars: exited with status 100; last lines:\nE: no")
@@ -424,7 +424,7 @@ def test_the_episode_root_is_like_a_containers(layers):
 def test_memory_is_a_cgroup_of_the_whole_jail_where_the_host_has_one(layers):
     # Chromium, V8 and the JVM reserve far more address space than they use: a per-process
     # address-space limit kills them at start, Docker's cgroup limit does not
-    from minirsi.sandbox.bwrap import _memory_cgroup_parent
+    from minirsi.env.sandbox.bwrap import _memory_cgroup_parent
 
     if _memory_cgroup_parent() is None:
         pytest.skip("this host gives no writable memory cgroup (the address-space limit stands)")
@@ -717,7 +717,7 @@ def test_a_trixie_image_runs_on_the_debian_13_base(tmp_path, monkeypatch):
     assert row.empty_all_failing and not row.notes
 
 
-# --- the package index (minirsi/wheelhouse.py), from a local index of wheels built here ------------------
+# --- the package index (minirsi/env/wheelhouse.py), from a local index of wheels built here ------------------
 def _wheel(project_dir: Path, name: str, version: str, code: str, requires: tuple[str, ...] = ()) -> Path:
     """A pure-Python wheel (a zip with METADATA, WHEEL and RECORD), written into `project_dir`:
     a PEP 503 project page once served as a directory listing."""

@@ -1,4 +1,4 @@
-"""PPO learns: the bottom rungs of the probe ladder (minirsi/probes.py), through the real path
+"""PPO learns: the bottom rungs of the probe ladder (minirsi/run/probes.py), through the real path
 (HFSampler -> prepare_batch -> TB-GAE -> ppo_update) with the inherited-critic set-up: the
 one-token and delayed bandits, then the rungs that only a working critic and TB-GAE pass (the
 offset bandit against V = 0, an inherited against a fresh critic, TB-GAE against per-token GAE).
@@ -15,9 +15,9 @@ import functools
 import pytest
 import torch
 
-from minirsi.critic import WarmupConfig, build_critic
-from minirsi.probes import ZeroCritic, bandit, warm_up_on_bandit
-from minirsi.rpr import RPRConfig
+from minirsi.core.critic import WarmupConfig, build_critic
+from minirsi.core.rpr import RPRConfig
+from minirsi.run.probes import ZeroCritic, bandit, warm_up_on_bandit
 from tiny import tiny_qwen
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from minirsi.config import load_config
-from minirsi.memplan import GIB, KNOWN_SHAPES, ModelShape, Passes, ScaleConfig, passes_of, plan, shape_of
+from minirsi.run.memplan import GIB, KNOWN_SHAPES, ModelShape, Passes, ScaleConfig, passes_of, plan, shape_of
 
 ROOT = Path(__file__).parents[1]
 # h=4, L=2, V=10, I=8, 2 heads of 2 (q=4), 1 kv head (kv=2), untied head.
@@ -149,7 +149,7 @@ def test_shape_from_a_transformers_config(tmp_path):
 
 @pytest.mark.parametrize("config", sorted((ROOT / "scale/configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_scale_configs_load_and_fit(config):
-    from minirsi.recipe import RunConfig
+    from minirsi.run.recipe import RunConfig
 
     cfg = load_config(RunConfig, config)
     assert cfg.base.model in KNOWN_SHAPES and cfg.device == "cuda"
@@ -169,7 +169,7 @@ def test_scale_configs_load_and_fit(config):
 def test_accelerate_yamls_hold_only_what_minirsi_reads(path):
     """Every fsdp_config key is one accelerate turns into a variable minirsi reads (or its
     version); the activation checkpointing agrees with the run config the file is for."""
-    from minirsi.recipe import RunConfig
+    from minirsi.run.recipe import RunConfig
 
     data = yaml.safe_load(path.read_text())
     fsdp = data["fsdp_config"]
@@ -193,7 +193,7 @@ def test_plan_cli_refuses_a_config_that_does_not_fit():
 
 
 def test_run_refuses_a_config_the_planner_says_will_not_fit(tmp_path, capsys):
-    from minirsi import recipe
+    from minirsi.run import recipe
     from tiny import tiny_qwen
 
     model_dir = tmp_path / "model"

@@ -1,12 +1,12 @@
-"""Tests for minirsi/models.py: offline tokenizer, tiny Qwen3 actor, save/load, LoRA, log-probs."""
+"""Tests for minirsi/engine/models.py: offline tokenizer, tiny Qwen3 actor, save/load, LoRA, log-probs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minirsi import models
-from minirsi.models import (
+from minirsi.engine import models
+from minirsi.engine.models import (
     IM_END,
     IM_START,
     PAD_TOKEN,

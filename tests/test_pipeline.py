@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from minirsi import recipe, rundir, stages
 from minirsi.config import ConfigError, load_config
-from minirsi.recipe import RunConfig, plan
-from minirsi.rundir import RunDir, RunError
+from minirsi.run import recipe, rundir, stages
+from minirsi.run.recipe import RunConfig, plan
+from minirsi.run.rundir import RunDir, RunError
 
 REPO = Path(__file__).resolve().parents[1]
 SUITES = ["core", "hard", "long", "unseen"]
@@ -290,7 +290,7 @@ def test_a_base_cut_short_by_the_time_budget_is_not_cached(tmp_path, monkeypatch
     cfg = small_cfg(f"base.cache_dir={tmp_path / 'cache'}", "base.pretrain.max_steps=7")
     out = tmp_path / "run"
     out.mkdir()
-    with caplog.at_level("WARNING", logger="minirsi.stages"):
+    with caplog.at_level("WARNING", logger="minirsi.run.stages"):
         stats = stages.RecipeRunner().train(cfg, RunDir(out), plan(cfg)[0], rundir.StageInputs(None, None, None, None),
                                             out, lambda *a: None)
     assert stats["time_capped"] is True and "not cached" in caplog.text
@@ -428,7 +428,7 @@ FAKE_SCRIPT = """
 import sys, time
 sys.path[:0] = [{repo!r}, {tests!r}]
 from test_pipeline import FakeRunner, small_cfg
-from minirsi import recipe
+from minirsi.run import recipe
 
 class Blocking(FakeRunner):
     def train(self, cfg, run, spec, inputs, out, log):
@@ -474,7 +474,7 @@ HOLDER_SCRIPT = """
 import sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 from test_pipeline import FakeRunner, small_cfg
-from minirsi import recipe
+from minirsi.run import recipe
 
 class Holding(FakeRunner):
     def train(self, cfg, run, spec, inputs, out, log):
@@ -506,7 +506,7 @@ def holder(tmp_path):
 
 
 def test_a_second_run_on_a_live_run_dir_is_refused_naming_the_holders_pid(holder, capsys):
-    from minirsi.runlock import RunDirBusy
+    from minirsi.run.runlock import RunDirBusy
 
     proc, run_dir = holder
     half = run_dir / "stages" / "03-rpr1" / "half-written.bin"
@@ -529,7 +529,7 @@ def test_a_dead_runs_lock_is_taken_over(holder, caplog):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert json.loads((run_dir / "run.lock").read_text())["pid"] == proc.pid  # its record stays behind
-    with caplog.at_level("WARNING", logger="minirsi.runlock"):
+    with caplog.at_level("WARNING", logger="minirsi.run.runlock"):
         results = run_fake(small_cfg(), run_dir, FakeRunner(), resume=True)
     assert f"taking over the lock of pid {proc.pid}" in caplog.text
     assert set(results) == {"base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo"}
@@ -587,8 +587,8 @@ def test_smoke_preset_end_to_end_against_base(tmp_path):
 
     # RSR-2 hands RPR-1's critic on untouched (RSR trains the actor only).
     assert files(stages / "04-rsr2" / "critic") == files(stages / "03-rpr1" / "critic")
-    from minirsi.episode import read_jsonl
-    from minirsi.evaluate import paired
+    from minirsi.core.episode import read_jsonl
+    from minirsi.run.evaluate import paired
 
     d = paired(list(read_jsonl(stages / "00-base" / "eval" / "core.jsonl")),
                list(read_jsonl(stages / "05-rpr2" / "eval" / "core.jsonl")))

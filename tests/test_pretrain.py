@@ -1,4 +1,4 @@
-"""Tests for minirsi/pretrain.py: config validation, loss weights, schedule, a short real run."""
+"""Tests for minirsi/run/pretrain.py: config validation, loss weights, schedule, a short real run."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from minirsi.config import ConfigError, load_config
-from minirsi.models import load_actor
-from minirsi.pretrain import PretrainConfig, collate_weighted, lr_at, make_batches, pretrain
+from minirsi.engine.models import load_actor
+from minirsi.run.pretrain import PretrainConfig, collate_weighted, lr_at, make_batches, pretrain
 
 
 @dataclass
@@ -134,9 +134,9 @@ def test_the_shipped_base_is_what_the_presets_pretrain():
     """minirsi/presets/toy-base was written by `minirsi pretrain` with the pretrain config the
     presets hold (its recorded hash is theirs, so the recipe takes it instead of pretraining),
     and the config saved beside it hashes to the same value."""
-    from minirsi import stages
-    from minirsi.pretrain import config_hash
-    from minirsi.recipe import RunConfig, resolve_preset
+    from minirsi.run import stages
+    from minirsi.run.pretrain import config_hash
+    from minirsi.run.recipe import RunConfig, resolve_preset
 
     m = json.loads((stages.SHIPPED_BASE / "pretrain_metrics.json").read_text())
     saved = load_config(PretrainConfig, stages.SHIPPED_BASE / "pretrain_config.yaml")
@@ -154,8 +154,8 @@ def test_the_shipped_base_is_measured_as_recorded():
     >= 90% clean easy, >= 1.5x the 90% step) is what those figures give. The bar itself is not
     asserted: the shipped Base does not meet it yet (README, "The toy Base"), and a test that
     claimed it would be a hard-coded pass."""
-    from minirsi import stages
-    from minirsi.pretrain import held_out_name_accuracy, past_copy_transition
+    from minirsi.run import stages
+    from minirsi.run.pretrain import held_out_name_accuracy, past_copy_transition
 
     m = json.loads((stages.SHIPPED_BASE / "pretrain_metrics.json").read_text())
     assert m["past_copy_transition"] is past_copy_transition(m)

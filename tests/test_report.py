@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from minirsi import fdr, report
-from minirsi.episode import Episode
+from minirsi.core import fdr
+from minirsi.core.episode import Episode
+from minirsi.run import report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""FDR, SPR, their calibration and the reward audit (minirsi/fdr.py, spr.py, reward_audit.py)."""
+"""FDR, SPR, their calibration and the reward audit (minirsi/core/fdr.py, spr.py, reward_audit.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirsi.episode import Episode
-from minirsi.fdr import (Scales, calibrate, family_dense_reward, load_scales, quantile_linear,
+from minirsi.core.episode import Episode
+from minirsi.core.fdr import (Scales, calibrate, family_dense_reward, load_scales, quantile_linear,
                          save_scales, scale_for)
-from minirsi.reward_audit import AuditReport, audit, audit_fdr_spr
-from minirsi.spr import success_prioritized_reward
+from minirsi.core.reward_audit import AuditReport, audit, audit_fdr_spr
+from minirsi.core.spr import success_prioritized_reward
 
 SETTINGS = settings(max_examples=150, deadline=None)
 counts = st.lists(st.integers(0, 500), min_size=1, max_size=30)

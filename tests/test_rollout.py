@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from minirsi import actions
 from minirsi.config import ConfigError, load_config
-from minirsi.episode import collate, read_jsonl
-from minirsi.models import IM_END, build_tiny_actor, build_tokenizer, token_logprobs
-from minirsi.rollout import RolloutConfig, RolloutStats, collect, episode_to_atif, export_atif
-from minirsi.sampler import HFSampler, OpenAISampler, Sample
-from minirsi.serve import CompletionServer, start_in_thread
+from minirsi.core import actions
+from minirsi.core.episode import collate, read_jsonl
+from minirsi.engine.models import IM_END, build_tiny_actor, build_tokenizer, token_logprobs
+from minirsi.engine.rollout import RolloutConfig, RolloutStats, collect, episode_to_atif, export_atif
+from minirsi.engine.sampler import HFSampler, OpenAISampler, Sample
+from minirsi.engine.serve import CompletionServer, start_in_thread
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ def test_jsonl_streams_episodes_and_survives_interruption(tok, tmp_path):
 
 
 def test_a_resumed_collection_runs_only_the_episodes_it_had_not_finished(tok, tmp_path):
-    from minirsi.rollout import finished_in
+    from minirsi.engine.rollout import finished_in
 
     # As above: t0 and t1 finish, the collection is interrupted while t2 is live, t3 never started.
     scripts = {"t0": ["TASK_COMPLETE"], "t1": ["```bash\nls\n```", "TASK_COMPLETE"], "t2": ["```bash\nls\n```"],
@@ -440,7 +440,7 @@ def test_stats_measure_generation_time(tok):
 def _sandbox_ready() -> bool:
     if shutil.which("bwrap") is None:
         return False
-    from minirsi.sandbox.bwrap import default_rootfs
+    from minirsi.env.sandbox.bwrap import default_rootfs
 
     return (Path(default_rootfs()) / "usr/bin/python3").exists()
 
@@ -458,7 +458,7 @@ def _oracle_commands(task) -> str:
 @needs_sandbox
 def test_real_sandboxes_and_verifier_score_oracle_and_idle_agents(tok, tmp_path):
     """bwrap + the real verifier: replaying the oracle succeeds, doing nothing fails."""
-    from minirsi.tasks import load_tasks
+    from minirsi.env.tasks import load_tasks
     from toy_envs import generate_suite
 
     generate_suite("train", tmp_path / "tasks", n=4, seed=0)
@@ -482,7 +482,7 @@ def test_real_sandboxes_and_verifier_score_oracle_and_idle_agents(tok, tmp_path)
 @pytest.mark.slow
 @needs_sandbox
 def test_rollout_cli_writes_jsonl_and_atif(tok, model, tmp_path):
-    from minirsi.models import save_actor
+    from minirsi.engine.models import save_actor
     from toy_envs import generate_suite
 
     save_actor(model, tok, tmp_path / "model")

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirsi.config import ConfigError, load_config
-from minirsi.critic import build_critic, fingerprint
-from minirsi.episode import Episode, collate
-from minirsi.rpr import (
+from minirsi.core.critic import build_critic, fingerprint
+from minirsi.core.episode import Episode, collate
+from minirsi.core.rpr import (
     EdgeStream,
     RPRConfig,
     approx_kl,
@@ -118,7 +118,7 @@ def test_kl_penalty_k3():
 def test_losses_ignore_non_action_positions(seed):
     """Perturbing log-probs, advantages, values or returns off the action mask (observation
     and padding) never changes the policy, KL or value loss."""
-    from minirsi.critic import value_loss
+    from minirsi.core.critic import value_loss
 
     g = torch.Generator().manual_seed(seed)
     B, T = 3, 12
@@ -150,7 +150,7 @@ def test_whiten_over_action_tokens(seed):
 
 
 def test_policy_forward_matches_models_token_logprobs():
-    from minirsi.models import token_logprobs
+    from minirsi.engine.models import token_logprobs
 
     model = tiny_qwen()
     b = synthetic_batch()
@@ -290,8 +290,8 @@ def test_padding_tokens_never_reach_the_losses():
 def test_length_trimmed_forward_passes_equal_the_full_width_pass():
     """Old log-probs and values are computed longest sequences first, each pass cut to its
     rows' longest length: the same numbers as one pass over the full padded width."""
-    from minirsi.critic import compute_values
-    from minirsi.rpr import _nograd_logprobs
+    from minirsi.core.critic import compute_values
+    from minirsi.core.rpr import _nograd_logprobs
 
     batch = synthetic_batch(n=7, seed=5)
     lengths = batch["attention_mask"].sum(1)
@@ -311,7 +311,7 @@ def test_length_trimmed_forward_passes_equal_the_full_width_pass():
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 8), st.integers(1, 3),
        st.integers(0, 10**6))
 def test_minibatches_cover_each_episode_once_with_micro_batches_by_length(lengths, size, accum, seed):
-    from minirsi.episode import minibatches
+    from minirsi.core.episode import minibatches
 
     L = torch.tensor(lengths)
     gen = torch.Generator().manual_seed(seed)
@@ -327,7 +327,7 @@ def test_minibatches_cover_each_episode_once_with_micro_batches_by_length(length
 def test_minibatches_are_random_not_grouped_by_length():
     """Length-grouped minibatches are outcome-grouped on the shell tasks (short episodes are mostly
     successes): every minibatch must be a uniform random draw, and each epoch a new one."""
-    from minirsi.episode import minibatches
+    from minirsi.core.episode import minibatches
 
     L = torch.arange(1, 33)  # 32 episodes, every length different
     gen = torch.Generator().manual_seed(0)
@@ -368,7 +368,7 @@ def test_target_kl_stops_at_the_first_minibatch_over_the_target():
     log-probs 2 nats above the actor's (approx KL e^-2 + 1 = 1.135 there, 0 elsewhere). With
     target 0.5 the actor takes exactly 2 steps; with 1.2 it takes all 4. The reversed estimator
     (e^2 - 3 = 4.39) would stop at 1.2 too; at 1-nat shifts it would stop where KL = 0.37."""
-    from minirsi.episode import minibatches
+    from minirsi.core.episode import minibatches
 
     actor = tiny_qwen()
     critic = build_critic(actor)
@@ -406,7 +406,7 @@ def test_lora_actor_reference_is_the_adapter_free_base():
     """With a peft LoRA actor and no ref_model, pi_ref is the actor with its adapters disabled:
     KL is 0 before any step (B = 0 at init) and > 0 after; only adapter weights train; the
     critic is built from the merged weights and leaves the live adapter alone."""
-    from minirsi.models import LoraSettings, attach_lora
+    from minirsi.engine.models import LoraSettings, attach_lora
 
     actor = attach_lora(tiny_qwen(), LoraSettings(r=4, alpha=8))
     a0 = fingerprint(actor)
@@ -548,7 +548,7 @@ def test_oversampling_rolls_out_more_groups_and_trains_on_the_first_mixed_ones()
 
     cfg = _cfg(episodes_per_step=8, samples_per_task=4, drop_uniform_groups=True, oversample=2, steps=1,
                critic_calibration_updates=0, lr_actor=1e-3, reward="fdr")
-    import minirsi.rpr as rpr_mod
+    import minirsi.core.rpr as rpr_mod
 
     real = rpr_mod.prepare_batch
 
@@ -569,7 +569,7 @@ def test_oversampling_rolls_out_more_groups_and_trains_on_the_first_mixed_ones()
 
 
 def test_first_groups_keeps_whole_groups_in_order_of_appearance():
-    from minirsi.rpr import first_groups
+    from minirsi.core.rpr import first_groups
 
     eps = _group_episodes({"x": [True, False], "y": [True, False], "z": [False, True]})
     assert [eps[i].task_id for i in first_groups(range(6), eps, 2)] == ["x", "x", "y", "y"]
@@ -693,9 +693,9 @@ def _journaled_phase(model, tok, journal, monkeypatch, kill_step=None, kill_call
     """run_rpr (1 calibration + 2 joint steps of 4 episodes) on the tiny model and fake sandboxes,
     journaled in ``journal``; the sampler of step ``kill_step`` dies at generate call ``kill_call``.
     Returns (history or None when killed, actor, critic, the sandboxes opened)."""
-    from minirsi import rollout
-    from minirsi.rpr import make_rollout_fn
-    from minirsi.sampler import HFSampler
+    from minirsi.core.rpr import make_rollout_fn
+    from minirsi.engine import rollout
+    from minirsi.engine.sampler import HFSampler
     from test_rollout import Sandboxes, Verdict, cfg as rollout_cfg, tasks
 
     def verify(sandbox, task):  # P by task (the random model writes no command): rewards that differ
@@ -740,7 +740,7 @@ def test_a_killed_rpr_phase_resumes_from_its_journal_and_ends_on_the_same_weight
 
 
 def test_a_step_killed_midway_collects_only_its_unfinished_episodes(model, tok, tmp_path, monkeypatch):
-    from minirsi.episode import read_jsonl
+    from minirsi.core.episode import read_jsonl
 
     killed, *_ = _journaled_phase(model, tok, tmp_path, monkeypatch, kill_step=1, kill_call=3)
     step1 = tmp_path / "rollout-1.jsonl"
@@ -759,7 +759,7 @@ def test_a_step_killed_midway_collects_only_its_unfinished_episodes(model, tok, 
 
 def _action_logprob(world, task, command) -> float:
     """log pi(the action ```bash <command>``` <|im_end|> | the task's prompt)."""
-    from minirsi import actions
+    from minirsi.core import actions
 
     prompt = actions.render_prompt_ids(world.tok, task.instruction)
     ids = torch.tensor([prompt + actions.render_action_ids(world.tok, actions.action_text([command]))])

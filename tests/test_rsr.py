@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from minirsi.rsr import (
+from minirsi.core.rsr import (
     Replay,
     ReplayMinimiser,
     RSRConfig,
@@ -52,7 +52,7 @@ def test_clean_keeps_repeated_writes_that_are_not_consecutive():
 def _recovery_transcript(session):
     """A corpus session as an Episode's transcript: one block per turn, the observation the
     harness would have shown (actions.format_observation), then TASK_COMPLETE."""
-    from minirsi import actions
+    from minirsi.core import actions
 
     turns = [{"commands": [t.commands], "observation": actions.format_observation(
         [SimpleNamespace(output=t.output, exit_code=t.exit_code, timed_out=False, truncated=False)])}
@@ -64,7 +64,7 @@ def _sandbox_ready() -> bool:
     import shutil
     from pathlib import Path
 
-    from minirsi.sandbox.bwrap import default_rootfs
+    from minirsi.env.sandbox.bwrap import default_rootfs
 
     return shutil.which("bwrap") is not None and (Path(default_rootfs()) / "usr/bin/python3").exists()
 
@@ -79,8 +79,8 @@ def test_cleaning_keeps_a_recovered_failure_and_both_cleanings_reverify(tmp_path
     Both rewrites pass the verifier in a fresh sandbox."""
     import random
 
-    from minirsi.rsr import make_replay_fn
-    from minirsi.tasks import load_task
+    from minirsi.core.rsr import make_replay_fn
+    from minirsi.env.tasks import load_task
     from toy_envs import corpus, obstacles
     from toy_envs.base import write_task
     from toy_envs.suites import suite_instances
@@ -196,8 +196,8 @@ def test_config_rejects_bad_values():
 
 
 def test_llm_planner_prompt_holds_task_and_cleaned_run_and_parses_commands():
-    from minirsi.rsr import LLMPlanner
-    from minirsi.sampler import Sample
+    from minirsi.core.rsr import LLMPlanner
+    from minirsi.engine.sampler import Sample
 
     class Scripted:  # a sampler that always answers with one bash block
         def __init__(self, tok):
@@ -220,8 +220,8 @@ def test_llm_planner_prompt_holds_task_and_cleaned_run_and_parses_commands():
 
 
 def _tokenizer(texts):
-    from minirsi import actions
-    from minirsi.models import build_tokenizer
+    from minirsi.core import actions
+    from minirsi.engine.models import build_tokenizer
 
     return build_tokenizer([actions.SYSTEM_PROMPT, *texts], vocab_size=300)
 
@@ -243,7 +243,7 @@ _TEST_SH = ("#!/bin/bash\ncd /app\npytest -q -p no:cacheprovider --junitxml=/log
 
 
 def _write_task(root, word):
-    from minirsi.tasks import load_task
+    from minirsi.env.tasks import load_task
 
     d = root / f"write-{word}"
     for sub in ("environment", "tests", "solution"):
@@ -259,10 +259,10 @@ def _write_task(root, word):
 
 
 def toy_world(root, seed: int = 0):
-    from minirsi import actions
-    from minirsi.rollout import RolloutConfig
-    from minirsi.rpr import make_rollout_fn
-    from minirsi.rsr import sft
+    from minirsi.core import actions
+    from minirsi.core.rpr import make_rollout_fn
+    from minirsi.core.rsr import sft
+    from minirsi.engine.rollout import RolloutConfig
 
     tasks = [_write_task(root, w) for w in WORDS]
     sessions = []
@@ -295,8 +295,8 @@ def _success(world, seed):
 
 @pytest.mark.slow
 def test_rsr_raises_success_on_verified_rewrites_only_and_leaves_the_critic(tmp_path):
-    from minirsi.critic import build_critic, fingerprint, load_critic, save_critic
-    from minirsi.rsr import make_replay_fn, run_rsr
+    from minirsi.core.critic import build_critic, fingerprint, load_critic, save_critic
+    from minirsi.core.rsr import make_replay_fn, run_rsr
 
     world = toy_world(tmp_path / "tasks")
     critic = build_critic(world.actor)  # a critic built from the actor, as the recipe does
@@ -335,8 +335,8 @@ def test_rsr_trains_on_nothing_when_no_rewrite_reverifies(tmp_path):
     """Every sampled success is rejected at re-verification (a replay that always fails): the
     stage must train on nothing, so the actor stays bit-identical. Runs the LLM planner (the
     actor itself) and the cleaned-transcript fallback, both rejected."""
-    from minirsi.critic import fingerprint
-    from minirsi.rsr import run_rsr
+    from minirsi.core.critic import fingerprint
+    from minirsi.core.rsr import run_rsr
 
     world = toy_world(tmp_path / "tasks")
     h0 = fingerprint(world.actor)

@@ -8,9 +8,9 @@ import socket
 import pytest
 import torch
 
-from minirsi.models import IM_END, build_tiny_actor, build_tokenizer, token_logprobs
-from minirsi.sampler import HFSampler, OpenAISampler, OpenAISamplerError, Sample, _draw, _prefill_groups
-from minirsi.serve import CompletionServer, start_in_thread
+from minirsi.engine.models import IM_END, build_tiny_actor, build_tokenizer, token_logprobs
+from minirsi.engine.sampler import HFSampler, OpenAISampler, OpenAISamplerError, Sample, _draw, _prefill_groups
+from minirsi.engine.serve import CompletionServer, start_in_thread
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def test_serve_cli_subprocess_round_trip(model, tok, sampler, tmp_path):
     import subprocess
     import sys
 
-    from minirsi.models import save_actor
+    from minirsi.engine.models import save_actor
 
     save_actor(model, tok, tmp_path / "model")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirsi.sandbox import CommandResult, Sandbox, SandboxError, open_sandbox
-from minirsi.sandbox.shell import KILL_GRACE_SEC, OutputCap, ansi_c_quote
-from minirsi.tasks import load_task
+from minirsi.env.sandbox import CommandResult, Sandbox, SandboxError, open_sandbox
+from minirsi.env.sandbox.shell import KILL_GRACE_SEC, OutputCap, ansi_c_quote
+from minirsi.env.tasks import load_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
 HELLO = load_task(FIXTURES / "good" / "hello")
@@ -245,14 +245,14 @@ def test_no_sandbox_process_outlives_close():
     uid = s.host_uid
     s.close()
     if os.geteuid() == 0:  # leased uid: nothing may run as it any more
-        from minirsi.sandbox.bwrap import _pids_of_uid
+        from minirsi.env.sandbox.bwrap import _pids_of_uid
 
         assert _pids_of_uid(uid) == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="uid leases exist only when running as root")
 def test_stale_directories_of_a_killed_harness_are_removed():
-    from minirsi.sandbox.bwrap import _base_dir, remove_stale
+    from minirsi.env.sandbox.bwrap import _base_dir, remove_stale
 
     with open_sandbox(HELLO) as live:
         base = _base_dir()

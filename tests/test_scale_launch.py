@@ -109,7 +109,7 @@ json.dump({{"argv": sys.argv[1:], "servers": servers, "health": health, "tokens"
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_job_starts_the_servers_waits_and_hands_their_urls_to_the_trainer(tmp_path):
-    from minirsi.models import build_tiny_actor, build_tokenizer, save_actor
+    from minirsi.engine.models import build_tiny_actor, build_tokenizer, save_actor
 
     tok = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
     save_actor(build_tiny_actor(tok, seed=0), tok, tmp_path / "model")

@@ -1,4 +1,4 @@
-"""Chunked scoring (minirsi/scoring.py) against the one-piece path: the same log-probs,
+"""Chunked scoring (minirsi/core/scoring.py) against the one-piece path: the same log-probs,
 entropies and gradients for every chunk size, the head back as it was, and no whole-sequence
 logits in a chunked pass (its peak memory is bench/logits.py's measurement)."""
 
@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from minirsi.models import LoraSettings, attach_lora
-from minirsi.rpr import policy_forward
-from minirsi.rsr import sft_loss
-from minirsi.scoring import chunked_scores
+from minirsi.core.rpr import policy_forward
+from minirsi.core.rsr import sft_loss
+from minirsi.core.scoring import chunked_scores
+from minirsi.engine.models import LoraSettings, attach_lora
 from tiny import VOCAB, tiny_qwen
 
 

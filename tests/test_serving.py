@@ -22,11 +22,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minirsi.models import LoraSettings, attach_lora, build_tiny_actor, build_tokenizer, save_actor, token_logprobs
-from minirsi.rollout import collect
-from minirsi.sampler import HFSampler, OpenAISampler, ServerDown
-from minirsi.serve import CompletionServer, start_in_thread
-from minirsi.weight_sync import (RELOAD_METHOD, WeightSync, WeightSyncError, read_full_weights,
+from minirsi.engine.models import LoraSettings, attach_lora, build_tiny_actor, build_tokenizer, save_actor, token_logprobs
+from minirsi.engine.rollout import collect
+from minirsi.engine.sampler import HFSampler, OpenAISampler, ServerDown
+from minirsi.engine.serve import CompletionServer, start_in_thread
+from minirsi.engine.weight_sync import (RELOAD_METHOD, WeightSync, WeightSyncError, read_full_weights,
                                  server_prompt_logprobs, write_full_weights)
 from test_rollout import Sandboxes, cfg, fake_verify, model, tasks, tok  # noqa: F401  (model, tok: fixtures)
 
@@ -470,7 +470,7 @@ def test_the_default_serving_config_syncs_bf16_files(servers, model, tmp_path):
     trainer's fp32), not the trainer's dtype."""
     from safetensors import safe_open
 
-    from minirsi.weight_sync import ServingConfig, serving_sync
+    from minirsi.engine.weight_sync import ServingConfig, serving_sync
 
     (a,) = servers(1)
     sync = serving_sync(ServingConfig(servers=[a.url]), tmp_path / "w")
@@ -485,7 +485,7 @@ def test_the_default_serving_config_syncs_bf16_files(servers, model, tmp_path):
 
 
 def test_a_lora_push_merges_without_copying_the_model(model, tmp_path):
-    from minirsi.weight_sync import gather_full_state_dict
+    from minirsi.engine.weight_sync import gather_full_state_dict
 
     lora = attach_lora(copy.deepcopy(model), LoraSettings(r=4))
     _perturb([p for n, p in lora.named_parameters() if "lora_" in n], seed=3, scale=0.2)
@@ -588,9 +588,9 @@ def test_recipe_rpr_samples_on_two_servers_and_syncs_every_step(procs, tmp_path)
     two `minirsi serve` processes: each stage pushes its actor first (RSR, the warm-up's frozen
     actor, RPR, the evaluation), every RPR step logs a sync, and the servers end on the final
     actor's weights."""
-    from minirsi import recipe
     from minirsi.config import load_config
-    from minirsi.models import load_actor
+    from minirsi.engine.models import load_actor
+    from minirsi.run import recipe
 
     tok_ = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
     save_actor(build_tiny_actor(tok_, seed=0), tok_, tmp_path / "base")
@@ -638,7 +638,7 @@ class _OpenCounter:
     """``rollout.open_sandbox`` counting the sandboxes opened; runs ``kill`` as the ``at``-th opens."""
 
     def __init__(self, at: int = 0, kill=None):
-        from minirsi import sandbox
+        from minirsi.env import sandbox
 
         self.open, self.at, self.kill, self.count = sandbox.open_sandbox, at, kill, 0
         self.lock = threading.Lock()
@@ -655,9 +655,9 @@ class _OpenCounter:
 def _rpr_on_servers(tmp_path, servers, policy):
     """A Base and RPR-1 (1 calibration + 2 joint steps of 6 episodes, 2 live at a time) sampling
     on ``servers``; returns (config, run dir, stage list, episodes per step)."""
-    from minirsi import recipe
     from minirsi.config import load_config
-    from minirsi.rundir import StageSpec
+    from minirsi.run import recipe
+    from minirsi.run.rundir import StageSpec
 
     overrides = [
         f"base.model={tmp_path / 'base'}", f"serving.servers=[{','.join(servers)}]", "serving.max_retries=1",
@@ -672,10 +672,10 @@ def _rpr_on_servers(tmp_path, servers, policy):
 
 def _steps_of(cfg, run_dir, per_step):
     """The stage's episodes.jsonl cut into steps, and the task ids each step was drawn for."""
-    from minirsi.episode import read_jsonl
-    from minirsi.rpr import task_stream
-    from minirsi.rundir import RunDir, stage_seed
-    from minirsi.stages import RecipeRunner
+    from minirsi.core.episode import read_jsonl
+    from minirsi.core.rpr import task_stream
+    from minirsi.run.rundir import RunDir, stage_seed
+    from minirsi.run.stages import RecipeRunner
 
     eps = list(read_jsonl(run_dir / "stages" / "01-rpr1" / "episodes.jsonl"))
     steps = [eps[i:i + per_step] for i in range(0, len(eps), per_step)]
@@ -690,9 +690,9 @@ def test_a_server_killed_mid_step_with_retry_the_step_finishes_on_the_other(proc
     """RPR-1 on two `minirsi serve` processes; one is SIGKILLed as joint step 1 admits its third
     episode (two had finished on the servers): the step finishes on the other server, every
     step has its 6 episodes, each once, none cut short, and the later syncs leave the dead one out."""
-    from minirsi import rollout
-    from minirsi.rundir import run_stages
-    from minirsi.stages import RecipeRunner
+    from minirsi.engine import rollout
+    from minirsi.run.rundir import run_stages
+    from minirsi.run.stages import RecipeRunner
 
     tok_ = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
     save_actor(build_tiny_actor(tok_, seed=0), tok_, tmp_path / "base")
@@ -718,10 +718,10 @@ def test_a_server_killed_mid_step_with_fail_the_resume_collects_only_what_had_no
     """As above with on_server_failure=fail: the run stops naming the dead server, with the
     step's finished episodes in its journal; the server comes back on its port; --resume replays
     the finished steps, keeps the finished episodes as they were and collects only the others."""
-    from minirsi import rollout
-    from minirsi.episode import read_jsonl
-    from minirsi.rundir import RunError, run_stages
-    from minirsi.stages import RecipeRunner
+    from minirsi.core.episode import read_jsonl
+    from minirsi.engine import rollout
+    from minirsi.run.rundir import RunError, run_stages
+    from minirsi.run.stages import RecipeRunner
 
     tok_ = build_tokenizer(["```bash\nls\n```\n<|im_end|>\n"] * 10, vocab_size=300)
     save_actor(build_tiny_actor(tok_, seed=0), tok_, tmp_path / "base")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minirsi.tasks import DIFFICULTIES, Task, TaskError, _parse_size_mb, load_task, load_tasks
+from minirsi.env.tasks import DIFFICULTIES, Task, TaskError, _parse_size_mb, load_task, load_tasks
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
 

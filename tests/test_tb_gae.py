@@ -1,4 +1,4 @@
-"""TB-GAE (minirsi/tb_gae.py) against its per-token loop and every property of docs/method.md s.4."""
+"""TB-GAE (minirsi/core/tb_gae.py) against its per-token loop and every property of docs/method.md s.4."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import minirsi.tb_gae_fast as tb_gae_fast_module
-from minirsi.tb_gae import IMPLEMENTATIONS, tb_gae, tb_gae_chunked, tb_gae_plain, tb_gae_reference
-from minirsi.tb_gae_fast import tb_gae_fast
+from minirsi.core.tb_gae import IMPLEMENTATIONS, tb_gae, tb_gae_chunked, tb_gae_plain, tb_gae_reference
+import minirsi.core.tb_gae_fast as tb_gae_fast_module
+from minirsi.core.tb_gae_fast import tb_gae_fast
 
 SETTINGS = settings(max_examples=120, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -113,7 +113,7 @@ def test_matches_per_token_loop(impl, batch):
 @SETTINGS
 @given(batches())
 def test_fast_equals_plain(batch):
-    # The CPU-tuned path (minirsi/tb_gae_fast.py) against the plain form it optimises: both
+    # The CPU-tuned path (minirsi/core/tb_gae_fast.py) against the plain form it optimises: both
     # sum in float64 and cast once, in different orders.
     rewards, values, action_mask, turn_ids, g, l = batch
     A, R = tb_gae_fast(rewards, values, action_mask, turn_ids, g, l)

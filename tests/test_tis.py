@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from minirsi.rpr import RPRConfig, policy_loss, truncated_is_weights
+from minirsi.core.rpr import RPRConfig, policy_loss, truncated_is_weights
 
 
 def _case():

@@ -33,7 +33,7 @@ SAMPLES_DIR = Path(toy_envs.__file__).parent / "samples"
 def _sandbox_ready() -> bool:
     if shutil.which("bwrap") is None:
         return False
-    from minirsi.sandbox.bwrap import default_rootfs
+    from minirsi.env.sandbox.bwrap import default_rootfs
 
     return (Path(default_rootfs()) / "usr/bin/python3").exists()
 
@@ -53,9 +53,9 @@ def task_root():
 
 def _run(task_dir: Path, commands: list[str] | None = None, oracle: bool = False):
     """Open a sandbox, act (oracle script, or the given commands one per call), verify."""
-    from minirsi.sandbox import open_sandbox
-    from minirsi.tasks import load_task
-    from minirsi.verifier import verify
+    from minirsi.env.sandbox import open_sandbox
+    from minirsi.env.tasks import load_task
+    from minirsi.env.verifier import verify
 
     task = load_task(task_dir)
     with open_sandbox(task) as sb:
@@ -169,7 +169,7 @@ def test_cli_writes_a_suite(tmp_path):
 
 
 def test_every_generated_task_loads(tmp_path):
-    from minirsi.tasks import load_tasks
+    from minirsi.env.tasks import load_tasks
 
     for suite in toy_envs.list_suites():
         paths = toy_envs.generate_suite(suite, tmp_path / suite, n=60 if suite == "train" else None)
@@ -347,9 +347,9 @@ def test_corpus_sessions_replay_in_the_sandbox_as_written(task_root):
             picked.append(s)
     kinds = {d for s in picked for d in s.defects}
     assert {f"{o}:{c}" for o in obstacles.OBSTACLES for c in obstacles.DEMONSTRATOR} | {"stop_early", "retry"} <= kinds
-    from minirsi.sandbox import open_sandbox
-    from minirsi.tasks import load_task
-    from minirsi.verifier import verify
+    from minirsi.env.sandbox import open_sandbox
+    from minirsi.env.tasks import load_task
+    from minirsi.env.verifier import verify
 
     for s in picked:
         family, difficulty, strict, steps = s.key
@@ -409,8 +409,8 @@ def test_every_evaluation_task_and_a_train_slice_pass_oracle_and_fail_empty(task
 def test_git_commit_hashes_repeat_between_sandboxes():
     # The git family fixes the commit clock ([environment.env]): a commit's hash, which
     # `git commit` prints to the agent, is the same in every run, so seeded rollouts repeat.
-    from minirsi.sandbox import open_sandbox
-    from minirsi.tasks import load_task
+    from minirsi.env.sandbox import open_sandbox
+    from minirsi.env.tasks import load_task
 
     root = Path(toy_envs.__file__).parent / "samples" / "core"
     task = load_task(next(p for p in sorted(root.iterdir()) if p.name.startswith("git-")))
@@ -430,7 +430,7 @@ def test_run_checks_junit_survives_any_message(tmp_path, capsys):
     every outcome and the text intact up to characters XML cannot hold."""
     import xml.etree.ElementTree as ET
 
-    from minirsi.verifier import parse_junit
+    from minirsi.env.verifier import parse_junit
     from toy_envs import run_checks
 
     nasty = 'a&b <c> "d" \'e\'\ttab\nline\r\x00\x07\x1b[31m \ud800 \ufffe end'

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from minirsi.sandbox import open_sandbox
-from minirsi.task_cli import cli, run_empty, run_oracle
-from minirsi.tasks import load_task
-from minirsi.verifier import parse_junit, static_checks, verify
+from minirsi.env.sandbox import open_sandbox
+from minirsi.env.task_cli import cli, run_empty, run_oracle
+from minirsi.env.tasks import load_task
+from minirsi.env.verifier import parse_junit, static_checks, verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
 HELLO = load_task(FIXTURES / "good" / "hello")
@@ -67,7 +67,7 @@ def test_static_checks_from_many_threads_and_on_unparsable_files(tmp_path):
     be parsed (a syntax error, a NUL byte) declares no checks instead of failing the episode."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from minirsi.verifier import _file_checks
+    from minirsi.env.verifier import _file_checks
 
     body = "import pytest\n" + "".join(f"def test_{i}(): assert {'[' * 20}1{']' * 20}\n" for i in range(40))
     (tmp_path / "test_outputs.py").write_text(body)
@@ -87,13 +87,13 @@ def test_static_checks_from_many_threads_and_on_unparsable_files(tmp_path):
     (b"0\n", False), (b"0.5", False), (b"0.999", False), (b"2", False),  # ... and nothing else counts
 ])
 def test_reward_file_is_one_or_not(raw, success):
-    from minirsi.verifier import _read_reward
+    from minirsi.env.verifier import _read_reward
 
     assert _read_reward(raw) == (success, None)
 
 
 def test_unreadable_or_missing_reward_file_is_zero_with_the_reason():
-    from minirsi.verifier import _read_reward
+    from minirsi.env.verifier import _read_reward
 
     assert _read_reward(b"passed") == (False, "reward.txt holds 'passed', not 1 or 0")
     assert _read_reward(None) == (False, "test.sh wrote no /logs/verifier/reward.txt")
@@ -252,8 +252,8 @@ def test_verify_after_close_is_an_error_not_a_crash():
 
 
 def test_hygiene_property_matches_the_plugin():
-    from minirsi.sandbox import junit_plugin
-    from minirsi.verifier import HYGIENE_PROPERTY
+    from minirsi.env.sandbox import junit_plugin
+    from minirsi.env.verifier import HYGIENE_PROPERTY
 
     assert junit_plugin.HYGIENE_PROPERTY == HYGIENE_PROPERTY
 

@@ -1,4 +1,4 @@
-"""The package index inside the jail (minirsi/wheelhouse.py): which packages a task's files name,
+"""The package index inside the jail (minirsi/env/wheelhouse.py): which packages a task's files name,
 the task.toml field, the layer key and environment, and what the verifier is shown. Fast: no
 sandbox, no network (the preparation and episodes on a prepared index are in test_layers.py).
 """
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from minirsi.layers import Layer
-from minirsi.tasks import TaskError, load_task
-from minirsi.wheelhouse import INDEX_DIR, index_env, index_key, read_index_specs, verifier_overlays
+from minirsi.env.layers import Layer
+from minirsi.env.tasks import TaskError, load_task
+from minirsi.env.wheelhouse import INDEX_DIR, index_env, index_key, read_index_specs, verifier_overlays
 
 WORD_STATS = Path(__file__).parent / "fixtures" / "tasks" / "tb2" / "word-stats"
 

@@ -78,7 +78,7 @@ class Cmd:
 @dataclass(frozen=True)
 class Check:
     """One check (a test function): ``body`` is its Python statements. A hygiene check is
-    rendered as ``test_hygiene_<name>`` (how minirsi.verifier recognises one without pytest)."""
+    rendered as ``test_hygiene_<name>`` (how minirsi.env.verifier recognises one without pytest)."""
 
     name: str
     body: str
@@ -334,7 +334,7 @@ def solve_source(inst: Instance) -> str:
 
 
 def toy_metadata(inst: Instance) -> dict:
-    """solution/toy.json: what the failure taxonomy (minirsi/failures.py) reads after a run; the
+    """solution/toy.json: what the failure taxonomy (minirsi/run/failures.py) reads after a run; the
     agent never sees solution/. ``canonical``: the canonical commands; ``obstacles``: per
     obstacle its kind, the blocked command, the error, the fix and the redo command."""
     obs = []

@@ -5,7 +5,7 @@ random names, and only keys on the "train" side of ``toy_envs.suites.split_of``,
 evaluation instance is ever seen) together with the turns of a *demonstrator*: one command per
 turn and what the shell prints for it (most commands print nothing; ``ls``, ``cat``, ``unzip``,
 ``git commit`` and failing commands print what they would: tests/test_toy_envs.py replays
-sessions in the sandbox and compares). The renderer in minirsi/actions.py turns a session into
+sessions in the sandbox and compares). The renderer in minirsi/core/actions.py turns a session into
 chat text and appends the final ``TASK_COMPLETE`` reply; this module never renders text.
 
 The demonstrator is right about names and commands, and imperfect about decisions, at the rates

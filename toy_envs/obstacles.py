@@ -78,7 +78,7 @@ class Obstacle:
 
 
 # Error texts as the sandbox's shell prints them (Debian 12 coreutils, bash, tar, gzip, git).
-# ``bash: line 9:`` is where the sandbox's command driver (minirsi/sandbox/shell.py) evals the
+# ``bash: line 9:`` is where the sandbox's command driver (minirsi/env/sandbox/shell.py) evals the
 # second line of a block: the demonstrator's command, after its comment line (toy_envs/corpus.py
 # NOTE). tests/test_toy_envs.py checks every text against a real sandbox.
 

@@ -136,7 +136,7 @@ def suite_instances(name: str, n: int | None = None, seed: int = 0) -> list[Inst
 
 def clean_easy(n: int, seed: int = 0) -> list[Instance]:
     """``n`` held-out easy instances of the training families without an obstacle (families in
-    turn): what a Base past the copy transition must solve (minirsi/pretrain.py)."""
+    turn): what a Base past the copy transition must solve (minirsi/run/pretrain.py)."""
     rng = random.Random(stable_hash(("clean_easy", seed)))
     seen: set = set()
     out: list[Instance] = []

@@ -1,4 +1,4 @@
-"""Tutorial 1: credit assignment with TB-GAE.            (module: minirsi/tb_gae.py)
+"""Tutorial 1: credit assignment with TB-GAE.            (module: minirsi/core/tb_gae.py)
 
 Run:  python tutorials/01_tb_gae.py
 
@@ -17,7 +17,7 @@ skips observation tokens altogether. This script builds one tiny episode by hand
 
 import torch
 
-from minirsi.tb_gae import tb_gae, tb_gae_plain, tb_gae_reference
+from minirsi.core.tb_gae import tb_gae, tb_gae_plain, tb_gae_reference
 
 gamma_turn, lam_turn = 0.9, 0.8
 

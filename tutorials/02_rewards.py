@@ -1,5 +1,5 @@
 """Tutorial 2: rewards from checks: FDR, SPR and the reward audit.
-(modules: minirsi/fdr.py, minirsi/spr.py, minirsi/reward_audit.py)
+(modules: minirsi/core/fdr.py, minirsi/core/spr.py, minirsi/core/reward_audit.py)
 
 Run:  python tutorials/02_rewards.py
 
@@ -12,9 +12,9 @@ The audit measures how much reward mass goes to failures (the paper: 50.09% unde
 28.72% under SPR over 4,352 runs).
 """
 
-from minirsi.fdr import calibrate, family_dense_reward
-from minirsi.reward_audit import audit_fdr_spr
-from minirsi.spr import success_prioritized_reward
+from minirsi.core.fdr import calibrate, family_dense_reward
+from minirsi.core.reward_audit import audit_fdr_spr
+from minirsi.core.spr import success_prioritized_reward
 
 # Calibration: checks per task of each family's calibration tasks. Frozen once per run.
 scales = calibrate({"files": [4, 5, 6, 8, 10], "text": [3, 3, 4]})

@@ -1,5 +1,5 @@
 """Tutorial 3: a task, a sandbox, and the protected verifier.
-(modules: minirsi/tasks.py, minirsi/sandbox/, minirsi/verifier.py, toy_envs/)
+(modules: minirsi/env/tasks.py, minirsi/env/sandbox/, minirsi/env/verifier.py, toy_envs/)
 
 Run:  python tutorials/03_sandbox.py          (needs bubblewrap and the rootfs: scripts/setup.sh)
 
@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 
 import toy_envs
-from minirsi.sandbox import open_sandbox
-from minirsi.tasks import load_task
-from minirsi.verifier import verify
+from minirsi.env.sandbox import open_sandbox
+from minirsi.env.tasks import load_task
+from minirsi.env.verifier import verify
 
 out = Path(tempfile.mkdtemp(prefix="minirsi-tutorial-"))
 paths = toy_envs.generate_suite("core", out, n=12, seed=0)

@@ -1,6 +1,6 @@
 """Tutorial 4: a rollout, token by token.
-(modules: minirsi/models.py, minirsi/actions.py, minirsi/sampler.py, minirsi/rollout.py,
-minirsi/episode.py)
+(modules: minirsi/engine/models.py, minirsi/core/actions.py, minirsi/engine/sampler.py, minirsi/engine/rollout.py,
+minirsi/core/episode.py)
 
 Run:  python tutorials/04_rollout.py          (about half a minute on a laptop CPU)
 
@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 import toy_envs
-from minirsi import actions
-from minirsi.models import build_tiny_actor, build_tokenizer, count_parameters, token_logprobs
-from minirsi.pretrain import corpus_sessions, session_text
-from minirsi.rollout import RolloutConfig, collect
-from minirsi.sampler import HFSampler
-from minirsi.tasks import load_task
+from minirsi.core import actions
+from minirsi.engine.models import build_tiny_actor, build_tokenizer, count_parameters, token_logprobs
+from minirsi.engine.rollout import RolloutConfig, collect
+from minirsi.engine.sampler import HFSampler
+from minirsi.env.tasks import load_task
+from minirsi.run.pretrain import corpus_sessions, session_text
 
 torch.manual_seed(0)
 tokenizer = build_tokenizer([session_text(s) for s in corpus_sessions(200, seed=0)], vocab_size=1024)

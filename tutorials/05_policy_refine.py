@@ -1,5 +1,5 @@
 """Tutorial 5: one Recursive Policy-Refine update, piece by piece.
-(modules: minirsi/rpr.py, minirsi/critic.py, minirsi/tb_gae.py, minirsi/spr.py)
+(modules: minirsi/core/rpr.py, minirsi/core/critic.py, minirsi/core/tb_gae.py, minirsi/core/spr.py)
 
 Run:  python tutorials/05_policy_refine.py        (about half a minute on a laptop CPU)
 
@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 import toy_envs
-from minirsi.critic import build_critic, fingerprint, load_critic, save_critic
-from minirsi.fdr import calibrate
-from minirsi.models import build_tiny_actor, build_tokenizer
-from minirsi.pretrain import corpus_sessions, session_text
-from minirsi.rollout import RolloutConfig, collect
-from minirsi.rpr import RPRConfig, logprob_gap, make_optimizers, ppo_update, prepare_batch, score
-from minirsi.sampler import HFSampler
-from minirsi.tasks import load_task
+from minirsi.core.critic import build_critic, fingerprint, load_critic, save_critic
+from minirsi.core.fdr import calibrate
+from minirsi.core.rpr import RPRConfig, logprob_gap, make_optimizers, ppo_update, prepare_batch, score
+from minirsi.engine.models import build_tiny_actor, build_tokenizer
+from minirsi.engine.rollout import RolloutConfig, collect
+from minirsi.engine.sampler import HFSampler
+from minirsi.env.tasks import load_task
+from minirsi.run.pretrain import corpus_sessions, session_text
 
 torch.manual_seed(0)
 tokenizer = build_tokenizer([session_text(s) for s in corpus_sessions(200, seed=0)], vocab_size=1024)

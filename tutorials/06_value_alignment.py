@@ -1,5 +1,5 @@
 """Tutorial 6: why the critic's V_t must be the value *before* token t.
-(modules: minirsi/critic.py, minirsi/probes.py, minirsi/rpr.py, minirsi/tb_gae.py)
+(modules: minirsi/core/critic.py, minirsi/run/probes.py, minirsi/core/rpr.py, minirsi/core/tb_gae.py)
 
 Run:  python tutorials/06_value_alignment.py        (about 10 seconds on a laptop CPU)
 
@@ -14,7 +14,7 @@ so the better the critic fits, the less signal PPO gets. Read at position t-1 in
 ``ValueModel`` does), V_t = V(s_t) cannot know x_t, and A_t = r - V(s_t) is +0.9 for a rewarded
 pick and -0.1 for another when the success rate is 0.1.
 
-The probe is the one-token bandit (minirsi/probes.py): a fixed prompt, one sampled token,
+The probe is the one-token bandit (minirsi/run/probes.py): a fixed prompt, one sampled token,
 reward 1 iff it is one of 30 chosen ids out of 300. Both runs below share everything (model,
 seed, PPO settings, the real sampler -> prepare_batch -> TB-GAE -> ppo_update path) except the
 position the critic reads its value at.
@@ -23,9 +23,9 @@ position the critic reads its value at.
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from minirsi.critic import ValueModel, build_critic
-from minirsi.probes import bandit
-from minirsi.rpr import RPRConfig
+from minirsi.core.critic import ValueModel, build_critic
+from minirsi.core.rpr import RPRConfig
+from minirsi.run.probes import bandit
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,5 @@
 """Tutorial 7: one PPO update sharded over 2 processes with FSDP2, equal to the one-process update.
-(modules: minirsi/distributed.py, minirsi/rpr.py)
+(modules: minirsi/core/distributed.py, minirsi/core/rpr.py)
 
 Run:  python tutorials/07_sharded_update.py        (about 20 seconds on a laptop CPU)
 
@@ -32,12 +32,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from minirsi import distributed  # noqa: E402
-from minirsi.critic import build_critic  # noqa: E402
-from minirsi.episode import minibatches, trimmed  # noqa: E402
-from minirsi.distributed import SINGLE, World, max_abs_diff  # noqa: E402
-from minirsi.episode import Episode  # noqa: E402
-from minirsi.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
+from minirsi.core import distributed  # noqa: E402
+from minirsi.core.critic import build_critic  # noqa: E402
+from minirsi.core.distributed import SINGLE, World, max_abs_diff  # noqa: E402
+from minirsi.core.episode import minibatches, trimmed  # noqa: E402
+from minirsi.core.episode import Episode  # noqa: E402
+from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch  # noqa: E402
 from tiny import VOCAB, tiny_qwen  # noqa: E402
 
 
@@ -120,7 +120,7 @@ def worker(rank: int, world_size: int, port: int, results: dict) -> None:
         results["critic"] = max_abs_diff(ref_critic, s_critic)
         results["wrong"] = max_abs_diff(ref_actor, w_actor)
     distributed.shutdown()
-    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.distributed.exit_rank)
+    distributed.exit_rank(0)  # skip the interpreter's teardown (minirsi.core.distributed.exit_rank)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Tutorial 8: Recursive Self-Rewrite, from a verified run to supervised data on action tokens.
-(modules: minirsi/rsr.py, minirsi/actions.py, minirsi/rollout.py, minirsi/critic.py)
+(modules: minirsi/core/rsr.py, minirsi/core/actions.py, minirsi/engine/rollout.py, minirsi/core/critic.py)
 
 Run:  python tutorials/08_self_rewrite.py      (5-10 seconds on a 2-core CPU; needs the
                                                  bubblewrap sandbox of scripts/setup.sh)
@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 
 import toy_envs
-from minirsi import actions
-from minirsi.critic import build_critic, fingerprint
-from minirsi.models import build_tiny_actor, build_tokenizer
-from minirsi.pretrain import corpus_sessions, session_text
-from minirsi.rollout import RolloutConfig, collect
-from minirsi.rsr import RSRConfig, ReplayMinimiser, clean_transcript, make_replay_fn, render_rewrite, run_rsr, sft_loss
-from minirsi.sampler import Sample
-from minirsi.tasks import load_task
+from minirsi.core import actions
+from minirsi.core.critic import build_critic, fingerprint
+from minirsi.core.rsr import RSRConfig, ReplayMinimiser, clean_transcript, make_replay_fn, render_rewrite, run_rsr, sft_loss
+from minirsi.engine.models import build_tiny_actor, build_tokenizer
+from minirsi.engine.rollout import RolloutConfig, collect
+from minirsi.engine.sampler import Sample
+from minirsi.env.tasks import load_task
+from minirsi.run.pretrain import corpus_sessions, session_text
 
 torch.manual_seed(0)
 tokenizer = build_tokenizer([session_text(s) for s in corpus_sessions(200, seed=0)], vocab_size=1024)
@@ -78,7 +78,7 @@ for turn in run.transcript:
 assert run.success and run.turns == len(REPLIES)
 assert statuses[:5] == ["[exit 0]", "[exit 1]", "[exit 0]", "[exit 0]", "[exit 0]"]  # the detour failed
 
-# 2. Cleaning: failed blocks, repeats and repeated inspections go (rules: minirsi/rsr.py's docstring);
+# 2. Cleaning: failed blocks, repeats and repeated inspections go (rules: minirsi/core/rsr.py's docstring);
 #    a failure the run later recovered from (the same command run again, exit 0) would stay.
 cleaned = clean_transcript(run.transcript)
 print("\n2. cleaned:", [s.command for s in cleaned])

@@ -1,5 +1,5 @@
 """Tutorial 9: the five-stage recipe and its report, end to end on a toy budget.
-(modules: minirsi/recipe.py, minirsi/stages.py, minirsi/rundir.py, minirsi/report.py, minirsi/presets/)
+(modules: minirsi/run/recipe.py, minirsi/run/stages.py, minirsi/run/rundir.py, minirsi/run/report.py, minirsi/presets/)
 
 Run:  python tutorials/09_recipe.py      (15-30 seconds on a 2-core CPU; needs the bubblewrap
                                            sandbox of scripts/setup.sh)
@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # fewer progress bars (those that do not set `disable` themselves)
-from minirsi import recipe, report  # noqa: E402
 from minirsi.config import load_config  # noqa: E402
+from minirsi.run import recipe, report  # noqa: E402
 
 logging.basicConfig(level=logging.WARNING)  # the driver logs every stage at INFO
 OVERRIDES = [

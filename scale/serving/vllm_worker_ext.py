@@ -7,7 +7,7 @@ inside a worker): vLLM mixes this class into its own ``Worker`` at start-up, so 
     VLLM_SERVER_DEV_MODE=1 PYTHONPATH=scale/serving:$PYTHONPATH \
         vllm serve MODEL --worker-extension-cls vllm_worker_ext.MinirsiWorkerExtension ...
 
-(``scale/serve_vllm.sh`` does this). The trainer (``minirsi.weight_sync.WeightSync``) then, after
+(``scale/serve_vllm.sh`` does this). The trainer (``minirsi.engine.weight_sync.WeightSync``) then, after
 every actor update, writes the weights (bf16 safetensors, in shards of a few GB with a
 ``model.safetensors.index.json``) and sends
 

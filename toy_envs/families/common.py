@@ -3,7 +3,7 @@
 Error texts are what GNU coreutils / bash / git print in the Debian sandbox when an input is
 missing (the corpus uses them for its retry defect; ``{path}`` is the wrong name);
 ``bash: line 9:`` is where the sandbox's driver evals the second line of a block, the demonstrator's
-command after its comment line (minirsi/sandbox/shell.py, toy_envs/corpus.py).
+command after its comment line (minirsi/env/sandbox/shell.py, toy_envs/corpus.py).
 tests/test_toy_envs.py replays the corpus in a sandbox and compares every output.
 """
 
