@@ -26,8 +26,9 @@ import torch
 
 from minirsi.config import load_config
 from minirsi.core.critic import build_critic, warmup_critic
-from minirsi.core.rpr import make_rollout_fn, run_rpr, score
+from minirsi.core.rpr import run_rpr, score
 from minirsi.engine.models import load_actor
+from minirsi.engine.rollout import make_rollout_fn
 from minirsi.run.evaluate import load_suites
 from minirsi.run.recipe import RunConfig, resolve_preset
 from minirsi.run.stages import calibrate_scales

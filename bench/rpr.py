@@ -46,8 +46,9 @@ import torch
 
 from minirsi.core.critic import build_critic
 from minirsi.core.episode import Episode
-from minirsi.core.rpr import RPRConfig, make_optimizers, make_rollout_fn, ppo_update, prepare_batch, run_rpr
-from minirsi.engine.models import pad_id_of
+from minirsi.core.episode import pad_id_of
+from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch, run_rpr
+from minirsi.engine.rollout import make_rollout_fn
 from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
 
 

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from minirsi.config import load_config
-from minirsi.core.rpr import make_rollout_fn
 from minirsi.core.rsr import run_rsr
 from minirsi.engine.models import load_actor
+from minirsi.engine.rollout import make_replay_fn, make_rollout_fn
+from minirsi.engine.sampler import HFSampler
 from minirsi.run import failures
 from minirsi.run.evaluate import load_suites
 from minirsi.run.recipe import RunConfig, resolve_preset
@@ -69,7 +70,8 @@ def main() -> int:
     t0 = time.time()
     before = measure(actor, rollout_fn, probe, 4242)
     scfg = dataclasses.replace(getattr(cfg, args.stage), seed=stage_seed(args.seed, args.stage))
-    stats = run_rsr(actor, tok, tasks, scfg, rollout_fn)
+    stats = run_rsr(actor, tok, tasks, scfg, rollout_fn, make_replay_fn(scfg.backend, scfg.command_timeout),
+                    sampler_factory=HFSampler)
     after = measure(actor, rollout_fn, probe, 4242)
     diff = {t.task_id: t.difficulty for t in tasks}
     kept = collections.Counter(diff[k["task_id"]] for k in stats.kept)

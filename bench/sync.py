@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 
 from minirsi.core.critic import build_critic
-from minirsi.core.rpr import RPRConfig, make_optimizers, make_rollout_fn, run_rpr
+from minirsi.core.rpr import RPRConfig, make_optimizers, run_rpr
 from minirsi.engine.models import LoraSettings, attach_lora, save_actor
 from minirsi.engine.rollout import RolloutConfig
+from minirsi.engine.rollout import make_rollout_fn
 from minirsi.engine.sampler import OpenAISampler
 from minirsi.engine.weight_sync import WeightSync
 

@@ -693,8 +693,8 @@ def _journaled_phase(model, tok, journal, monkeypatch, kill_step=None, kill_call
     """run_rpr (1 calibration + 2 joint steps of 4 episodes) on the tiny model and fake sandboxes,
     journaled in ``journal``; the sampler of step ``kill_step`` dies at generate call ``kill_call``.
     Returns (history or None when killed, actor, critic, the sandboxes opened)."""
-    from minirsi.core.rpr import make_rollout_fn
     from minirsi.engine import rollout
+    from minirsi.engine.rollout import make_rollout_fn
     from minirsi.engine.sampler import HFSampler
     from test_rollout import Sandboxes, Verdict, cfg as rollout_cfg, tasks
 

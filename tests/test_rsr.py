@@ -79,7 +79,7 @@ def test_cleaning_keeps_a_recovered_failure_and_both_cleanings_reverify(tmp_path
     Both rewrites pass the verifier in a fresh sandbox."""
     import random
 
-    from minirsi.core.rsr import make_replay_fn
+    from minirsi.engine.rollout import make_replay_fn
     from minirsi.env.tasks import load_task
     from toy_envs import corpus, obstacles
     from toy_envs.base import write_task
@@ -260,9 +260,9 @@ def _write_task(root, word):
 
 def toy_world(root, seed: int = 0):
     from minirsi.core import actions
-    from minirsi.core.rpr import make_rollout_fn
     from minirsi.core.rsr import sft
     from minirsi.engine.rollout import RolloutConfig
+    from minirsi.engine.rollout import make_rollout_fn
 
     tasks = [_write_task(root, w) for w in WORDS]
     sessions = []
@@ -296,7 +296,8 @@ def _success(world, seed):
 @pytest.mark.slow
 def test_rsr_raises_success_on_verified_rewrites_only_and_leaves_the_critic(tmp_path):
     from minirsi.core.critic import build_critic, fingerprint, load_critic, save_critic
-    from minirsi.core.rsr import make_replay_fn, run_rsr
+    from minirsi.core.rsr import run_rsr
+    from minirsi.engine.rollout import make_replay_fn
 
     world = toy_world(tmp_path / "tasks")
     critic = build_critic(world.actor)  # a critic built from the actor, as the recipe does
@@ -313,7 +314,7 @@ def test_rsr_raises_success_on_verified_rewrites_only_and_leaves_the_critic(tmp_
         return r
 
     cfg = RSRConfig(samples_per_task=16, planner="replay", lr=3e-3, epochs=10, batch_size=4, seed=0)
-    stats = run_rsr(world.actor, world.tok, world.tasks, cfg, world.rollout_fn, replay_fn=spy)
+    stats = run_rsr(world.actor, world.tok, world.tasks, cfg, world.rollout_fn, replay_fn=spy)  # the replay planner
 
     before = stats.runs_verified / stats.runs_sampled
     assert 0.1 < before < 0.8, stats  # the actor sometimes succeeds
@@ -337,13 +338,14 @@ def test_rsr_trains_on_nothing_when_no_rewrite_reverifies(tmp_path):
     actor itself) and the cleaned-transcript fallback, both rejected."""
     from minirsi.core.critic import fingerprint
     from minirsi.core.rsr import run_rsr
+    from minirsi.engine.sampler import HFSampler
 
     world = toy_world(tmp_path / "tasks")
     h0 = fingerprint(world.actor)
     reject = FakeReplay(["a command no run contains"])
     cfg = RSRConfig(samples_per_task=8, planner="llm", planner_max_new_tokens=40, lr=3e-3, epochs=2,
                     batch_size=4, seed=0)
-    stats = run_rsr(world.actor, world.tok, world.tasks, cfg, world.rollout_fn, replay_fn=reject)
+    stats = run_rsr(world.actor, world.tok, world.tasks, cfg, world.rollout_fn, replay_fn=reject, sampler_factory=HFSampler)
     assert stats.runs_verified > 0 and reject.calls > 0
     assert stats.reverified == stats.sft_examples == 0
     assert fingerprint(world.actor) == h0

@@ -24,10 +24,10 @@ import torch
 import toy_envs
 from minirsi.core import actions
 from minirsi.core.critic import build_critic, fingerprint
-from minirsi.core.rsr import RSRConfig, ReplayMinimiser, clean_transcript, make_replay_fn, render_rewrite, run_rsr, sft_loss
+from minirsi.core.rsr import RSRConfig, ReplayMinimiser, clean_transcript, render_rewrite, run_rsr, sft_loss
 from minirsi.engine.models import build_tiny_actor, build_tokenizer
-from minirsi.engine.rollout import RolloutConfig, collect
-from minirsi.engine.sampler import Sample
+from minirsi.engine.rollout import RolloutConfig, collect, make_replay_fn
+from minirsi.engine.sampler import HFSampler, Sample
 from minirsi.env.tasks import load_task
 from minirsi.run.pretrain import corpus_sessions, session_text
 
@@ -126,13 +126,16 @@ with torch.no_grad():
 print(f"   SFT loss {ours.item():.4f} = transformers' loss with labels -100 off the actions {theirs.item():.4f}")
 assert torch.allclose(ours, theirs, atol=1e-5)
 
-# 6. The whole stage, as the recipe calls it: run_rsr(actor, tokenizer, tasks, cfg, rollout_fn).
+# 6. The whole stage, as the recipe calls it: run_rsr(actor, tokenizer, tasks, cfg, rollout_fn,
+#    replay_fn, sampler_factory=HFSampler): the core stage takes the engine's callables (a fresh
+#    sandbox per replay, the in-process sampler its LLM planner samples with).
 #    Its planner is the actor itself ("self"): an untrained one writes no passing rewrite, so the
 #    cleaned transcript is replayed as the fallback. The critic is not passed, and stays as it was.
 actor_before, critic_before = fingerprint(actor), fingerprint(critic)
 cfg = RSRConfig(samples_per_task=2, planner="llm", planner_max_new_tokens=48, lr=1e-3, epochs=4, batch_size=2,
                 command_timeout=10.0, seed=0)
-stats = run_rsr(actor, tokenizer, [task], cfg, scripted_rollouts)
+stats = run_rsr(actor, tokenizer, [task], cfg, scripted_rollouts, make_replay_fn(cfg.backend, cfg.command_timeout),
+                sampler_factory=HFSampler)
 print(f"\n6. run_rsr: sampled {stats.runs_sampled}, verified {stats.runs_verified}, re-verified {stats.reverified} "
       f"({stats.from_fallback} from the cleaned fallback), {stats.sft_examples} distinct SFT example(s); "
       f"turns {stats.mean_turns_before:.1f} -> {stats.mean_turns_after:.1f}; "

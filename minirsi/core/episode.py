@@ -261,3 +261,9 @@ def forward_by_length(
             y = fn(sub["input_ids"], sub["attention_mask"])
             out[idx, : y.shape[1]] = y
     return out
+
+
+def pad_id_of(tokenizer: object) -> int:
+    """The id padding uses: the tokenizer's pad token, 0 when it has none."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else 0

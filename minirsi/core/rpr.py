@@ -91,21 +91,18 @@ from torch import nn
 
 from minirsi.core.critic import ValueModel, explained_variance, value_loss
 from minirsi.core.distributed import SINGLE, World
-from minirsi.core.episode import Episode, collate, masked_mean, minibatches, trimmed
+from minirsi.core.episode import Episode, collate, masked_mean, minibatches, pad_id_of, trimmed
 from minirsi.core.fdr import family_dense_reward
-from minirsi.core.scoring import chunked_scores
+from minirsi.core.scoring import chunked_scores, logprobs_from_logits
 from minirsi.core.spr import success_prioritized_reward
 from minirsi.core.tb_gae import tb_gae
-from minirsi.engine import rollout
-from minirsi.engine.models import logprobs_from_logits, pad_id_of
-from minirsi.engine.sampler import HFSampler
 
 logger = logging.getLogger(__name__)
 
 RolloutFn = Callable[[nn.Module, Sequence[Any], int], list[Episode]]
 """``rollout_fn(actor, tasks, seed) -> episodes``: one episode per task entry (tasks may
-repeat). ``make_rollout_fn`` builds the default (HFSampler + rollout.collect); a vLLM-backed
-sampler slots in by passing another callable."""
+repeat). ``minirsi.engine.rollout.make_rollout_fn`` builds the default (HFSampler +
+rollout.collect); a vLLM-backed sampler slots in by passing another callable."""
 
 
 @dataclass
@@ -383,7 +380,7 @@ def policy_forward(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
     with_entropy: bool = False, entropy_grad: bool = True, logit_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs log pi(x_t | x_<t) at ``temperature`` (``models.logprobs_from_logits``,
+    """Per-token log-probs log pi(x_t | x_<t) at ``temperature`` (``scoring.logprobs_from_logits``,
     in one piece), and optionally entropies.
 
     input_ids, attention_mask: (B, T). Returns (logprobs (B, T), entropy (B, T) or None), both 0
@@ -697,46 +694,6 @@ def first_groups(indices: Sequence[int], episodes: Sequence[Episode], n_groups: 
             order.append(episodes[i].task_id)
     chosen = set(order[:n_groups])
     return [i for i in indices if episodes[i].task_id in chosen]
-
-
-def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[..., Any] | None = None,
-                    progress: bool = True, journal: str | Path | None = None) -> RolloutFn:
-    """The default rollout: an ``HFSampler`` on the current actor, then ``rollout.collect``.
-
-    ``rollout_cfg`` is the rollout helper's config (turn limit, max tokens, backend...); its
-    ``seed`` is replaced per call. ``sampler_factory(actor, tokenizer)`` builds the sampler.
-
-    ``journal``: a directory where every call appends its episodes as they finish, to
-    ``rollout-<seed>.jsonl`` (the seed names the call: one per RPR step). A call whose file is
-    there already (a stage resumed after a kill or a dead server) takes the episodes it holds
-    and collects only the others; a call whose file is complete samples nothing. Replaying a
-    stage's finished steps from their episodes gives the updates they gave (same episodes, same
-    seeds), so a resumed stage loses no finished episode and collects none twice (``rundir``
-    keeps the journal of an unfinished stage).
-    """
-    factory = sampler_factory or (lambda model, tok: HFSampler(model, tok))
-
-    def rollout_fn(actor: nn.Module, tasks: Sequence[Any], seed: int) -> list[Episode]:
-        cfg = dataclasses.replace(rollout_cfg, seed=seed) if hasattr(rollout_cfg, "seed") else rollout_cfg
-        out_path, finished = None, {}
-        if journal is not None:
-            out_path = Path(journal) / f"rollout-{seed}.jsonl"
-            finished = rollout.finished_in(out_path, tasks)
-            if len(finished) == len(tasks):
-                logger.info("rollout %d: all %d episodes from the journal %s", seed, len(tasks), out_path)
-                return [finished[i] for i in range(len(tasks))]
-            if finished:
-                logger.info("rollout %d: %d of %d episodes from the journal %s; collecting the rest", seed,
-                            len(finished), len(tasks), out_path)
-        was_training = actor.training
-        actor.eval()
-        try:
-            return rollout.collect(list(tasks), factory(actor, tokenizer), tokenizer, cfg, out_path=out_path,
-                                   progress=progress, finished=finished)
-        finally:
-            actor.train(was_training)
-
-    return rollout_fn
 
 
 def run_rpr(

@@ -50,7 +50,11 @@ commands are trained on once (so easy tasks do not dominate the SFT set).
 
 Call it::
 
-    stats = run_rsr(actor, tokenizer, tasks, RSRConfig(), rollout_fn)   # rollout_fn: rpr.make_rollout_fn
+    stats = run_rsr(actor, tokenizer, tasks, cfg, rollout_fn, replay_fn, sampler_factory=HFSampler)
+
+where the engine builds the callables (``minirsi.engine.rollout.make_rollout_fn`` and
+``make_replay_fn(cfg.backend, cfg.command_timeout)``, ``minirsi.engine.sampler.HFSampler``):
+this module imports nothing outside ``minirsi.core``.
 """
 
 from __future__ import annotations
@@ -67,12 +71,8 @@ from torch import nn
 
 from minirsi.core import actions
 from minirsi.core.distributed import SINGLE, World
-from minirsi.core.episode import Episode, masked_mean
+from minirsi.core.episode import Episode, masked_mean, pad_id_of
 from minirsi.core.scoring import chunked_scores
-from minirsi.engine.models import pad_id_of
-from minirsi.engine.sampler import HFSampler
-from minirsi.env import sandbox, verifier
-from minirsi.env.sandbox import BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class RSRConfig:
     """Positions per piece of the LM head and log-softmax in the SFT loss (``minirsi.core.scoring``:
     no (B, T, V) logits); 0: the whole sequence at once (the CPU presets)."""
     backend: str = "bwrap"
-    """Sandbox backend for replays: bwrap or docker."""
+    """Sandbox backend for replays: bwrap or docker (``engine.rollout.make_replay_fn``'s; the run
+    config checks it)."""
     command_timeout: float = 30.0
     """Seconds one replayed command may run."""
     seed: int = 0
@@ -129,8 +130,6 @@ class RSRConfig:
             raise ValueError(f"RSRConfig.logit_chunk={self.logit_chunk}: use 0 (whole sequence) or a positive chunk")
         if self.planner_temperature < 0:
             raise ValueError(f"RSRConfig.planner_temperature={self.planner_temperature}: must be >= 0 (0 = greedy)")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"RSRConfig.backend={self.backend!r}: use one of {BACKENDS}")
 
 
 # --------------------------------------------------------------------------- cleaning
@@ -210,27 +209,12 @@ class Replay:
 
 
 ReplayFn = Callable[[Any, Sequence[str]], Replay]
-"""``replay_fn(task, commands) -> Replay``: a fresh sandbox per call."""
+"""``replay_fn(task, commands) -> Replay``: a fresh sandbox per call (the default:
+``minirsi.engine.rollout.make_replay_fn``)."""
 
-
-def make_replay_fn(backend: str = "bwrap", command_timeout: float = 30.0,
-                   open_sandbox: Callable[..., Any] | None = None,
-                   verify: Callable[[Any, Any], Any] | None = None) -> ReplayFn:
-    """The default replay: ``sandbox.open_sandbox`` + ``verifier.verify`` (the env helper's)."""
-    open_sandbox = open_sandbox or sandbox.open_sandbox
-    verify = verify or verifier.verify
-
-    def replay(task: Any, commands: Sequence[str]) -> Replay:
-        outputs, codes = [], []
-        with open_sandbox(task, backend=backend) as sb:
-            for cmd in commands:
-                r = sb.run(cmd, timeout=command_timeout)
-                outputs.append(r.output)
-                codes.append(r.exit_code)
-            v = verify(sb, task)
-        return Replay(list(commands), outputs, codes, bool(v.success), int(v.passed), int(v.total))
-
-    return replay
+SamplerFactory = Callable[[nn.Module, Any], Any]
+"""``sampler_factory(model, tokenizer) -> sampler``: an in-process sampler of ``model`` for the LLM
+planner (``minirsi.engine.sampler.HFSampler``)."""
 
 
 # --------------------------------------------------------------------------- planners
@@ -274,9 +258,15 @@ class LLMPlanner:
     ```` ```bash```` blocks are the rewrite."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, max_new_tokens: int = 256,
-                 temperature: float = 0.0, seed: int = 0, sampler: Any = None, obs_chars: int = 200):
+                 temperature: float = 0.0, seed: int = 0, sampler: Any = None, obs_chars: int = 200,
+                 sampler_factory: SamplerFactory | None = None):
         self.tokenizer = tokenizer
-        self.sampler = sampler if sampler is not None else HFSampler(model, tokenizer)
+        if sampler is None:
+            if sampler_factory is None:
+                raise ValueError("LLMPlanner: pass a sampler, or a sampler_factory(model, tokenizer) "
+                                 "such as minirsi.engine.sampler.HFSampler")
+            sampler = sampler_factory(model, tokenizer)
+        self.sampler = sampler
         self.max_new_tokens, self.temperature, self.seed, self.obs_chars = max_new_tokens, temperature, seed, obs_chars
         self.stop_id = actions.special_id(tokenizer, actions.IM_END)  # the end of every ChatML turn
 
@@ -417,11 +407,13 @@ def sample_tasks(tasks: Sequence[Any], n: int, seed: int) -> list[Any]:
 
 
 def make_planner(cfg: RSRConfig, actor: nn.Module | None, tokenizer: Any, replay_fn: ReplayFn,
-                 sampler: Any = None) -> Planner:
-    """``cfg.planner``'s planner; the LLM planner samples ``actor`` in-process, or ``sampler``."""
+                 sampler: Any = None, sampler_factory: SamplerFactory | None = None) -> Planner:
+    """``cfg.planner``'s planner; the LLM planner samples ``actor`` in-process
+    (``sampler_factory(actor, tokenizer)``), or ``sampler``."""
     if cfg.planner == "replay":
         return ReplayMinimiser(replay_fn)
-    return LLMPlanner(actor, tokenizer, cfg.planner_max_new_tokens, cfg.planner_temperature, cfg.seed, sampler=sampler)
+    return LLMPlanner(actor, tokenizer, cfg.planner_max_new_tokens, cfg.planner_temperature, cfg.seed, sampler=sampler,
+                      sampler_factory=sampler_factory)
 
 
 def run_rsr(
@@ -430,20 +422,23 @@ def run_rsr(
     train_tasks: Sequence[Any],
     cfg: RSRConfig,
     rollout_fn: Callable[[nn.Module, Sequence[Any], int], list[Episode]],
+    replay_fn: ReplayFn,
     planner: Planner | None = None,
-    replay_fn: ReplayFn | None = None,
     log_fn: Callable[[dict[str, Any]], None] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     world: World = SINGLE,
     planner_sampler: Any = None,
+    sampler_factory: SamplerFactory | None = None,
 ) -> RSRStats:
     """One RSR stage on ``actor`` (fine-tuned in place). The critic is not an argument: RSR
     cannot touch it.
 
     Args:
-        rollout_fn: ``rollout_fn(actor, tasks, seed) -> episodes`` (``rpr.make_rollout_fn``).
+        rollout_fn: ``rollout_fn(actor, tasks, seed) -> episodes``
+            (``minirsi.engine.rollout.make_rollout_fn``).
+        replay_fn: a fresh sandbox + the verifier per call
+            (``minirsi.engine.rollout.make_replay_fn(cfg.backend, cfg.command_timeout)``).
         planner: defaults to ``cfg.planner`` (LLMPlanner on the actor, or ReplayMinimiser).
-        replay_fn: defaults to a fresh ``cfg.backend`` sandbox + the verifier per call.
         optimizer: the SFT optimizer (default: ``make_optimizer``); pass one to checkpoint it.
         world: a sharded run (minirsi.core.distributed): rank 0 samples (``rollout_fn`` is then
             ``world.rollout_fn(...)``), rewrites and replays with an unsharded copy of the actor,
@@ -451,10 +446,11 @@ def run_rsr(
         planner_sampler: where the default LLM planner samples (inference servers holding the
             actor's weights); then no unsharded copy is gathered for it. Every rank passes one
             or none alike (the gather is a collective).
+        sampler_factory: without ``planner_sampler``, how the default LLM planner samples the
+            actor in-process: ``sampler_factory(actor, tokenizer)`` (``engine.sampler.HFSampler``).
     """
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    replay_fn = replay_fn or make_replay_fn(cfg.backend, cfg.command_timeout)
     cache: dict[tuple[str, tuple[str, ...]], Replay] = {}
 
     def replay(task: Any, commands: Sequence[str]) -> Replay:
@@ -473,7 +469,7 @@ def run_rsr(
     # the LLM planner samples from rank 0's plain copy, or on the servers
     plain = world.unsharded(actor) if planner_sampler is None else None
     stats, examples = world.on_main(lambda: _rewrite(episodes, planner or make_planner(cfg, plain, tokenizer, replay,
-                                                                                       planner_sampler),
+                                                                                       planner_sampler, sampler_factory),
                                                      replay, by_id, tokenizer, cfg))
     actor.train(was_training)
     stats.sft_examples = len(examples)

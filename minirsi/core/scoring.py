@@ -1,7 +1,7 @@
 """Per-token log-probs and entropies of a causal LM without its (B, T, V) logits.
 
 The trainer scores every token of every episode: ``logp[b, t] = log_softmax(z[b, t-1] / tau)[x_t]``
-(``models.logprobs_from_logits``) and, for PPO's entropy term, ``H[b, t] = -sum_v p_v log p_v``
+(``logprobs_from_logits``, below) and, for PPO's entropy term, ``H[b, t] = -sum_v p_v log p_v``
 of the same distribution. Computed from the model's logits, that materialises ``(B, T, V)``
 floats several times over: the head's output, its fp32 copy divided by tau, the log-softmax
 (kept for backward), the entropy's ``exp`` and product, and in backward the gradient of each.
@@ -118,3 +118,28 @@ def chunked_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         return logprobs, None
     entropy = torch.cat([zero, scores[..., 1]], dim=1)
     return logprobs, (entropy if entropy_grad else entropy.detach())  # a metric: no path back
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,  # (B, T, V)
+    input_ids: torch.Tensor,  # (B, T)
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+) -> torch.Tensor:  # (B, T)
+    """log softmax(logits_{t-1} / tau)[x_t] at every position t: position t scores token t given
+    the tokens before it; position 0 has no context and holds 0 (it is never an action: every
+    sequence starts with the prompt).
+
+    The log-softmax is taken ``chunk_size`` positions at a time (None: all at once), so only one
+    chunk of fp32 (B, chunk, V) log-probabilities exists besides the logits (V is ~150k for Qwen3).
+    """
+    B, T = input_ids.shape
+    chunk_size = chunk_size or max(T - 1, 1)
+    targets = input_ids[:, 1:]  # (B, T-1): x_t for t >= 1
+    pieces = []
+    for s in range(0, T - 1, chunk_size):
+        z = logits[:, s : min(s + chunk_size, T - 1)].float() / temperature  # (B, c, V)
+        lp = torch.log_softmax(z, dim=-1)
+        pieces.append(lp.gather(-1, targets[:, s : s + z.shape[1]].unsqueeze(-1)).squeeze(-1))  # (B, c)
+    first = torch.zeros((B, 1), dtype=torch.float32, device=input_ids.device)
+    return torch.cat([first] + pieces, dim=1)  # (B, T)

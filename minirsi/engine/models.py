@@ -45,6 +45,7 @@ from transformers import (
 )
 
 from minirsi.core.actions import IM_END, IM_START
+from minirsi.core.scoring import logprobs_from_logits
 
 if TYPE_CHECKING:  # distributed imports nothing from here; a type hint only
     from minirsi.core.distributed import World
@@ -351,43 +352,12 @@ def token_logprobs(
     chunk_size: int | None = 1024,
 ) -> torch.Tensor:  # (B, T)
     """log pi(x_t | x_<t) / tau at every position t of ``model``'s forward pass
-    (``logprobs_from_logits``). Gradients flow through unless the caller wraps it in
+    (``core.scoring.logprobs_from_logits``). Gradients flow through unless the caller wraps it in
     ``torch.no_grad()``."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: log-probs need a positive temperature")
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
     return logprobs_from_logits(logits, input_ids, temperature, chunk_size)
-
-
-def logprobs_from_logits(
-    logits: torch.Tensor,  # (B, T, V)
-    input_ids: torch.Tensor,  # (B, T)
-    temperature: float = 1.0,
-    chunk_size: int | None = 1024,
-) -> torch.Tensor:  # (B, T)
-    """log softmax(logits_{t-1} / tau)[x_t] at every position t: position t scores token t given
-    the tokens before it; position 0 has no context and holds 0 (it is never an action: every
-    sequence starts with the prompt).
-
-    The log-softmax is taken ``chunk_size`` positions at a time (None: all at once), so only one
-    chunk of fp32 (B, chunk, V) log-probabilities exists besides the logits (V is ~150k for Qwen3).
-    """
-    B, T = input_ids.shape
-    chunk_size = chunk_size or max(T - 1, 1)
-    targets = input_ids[:, 1:]  # (B, T-1): x_t for t >= 1
-    pieces = []
-    for s in range(0, T - 1, chunk_size):
-        z = logits[:, s : min(s + chunk_size, T - 1)].float() / temperature  # (B, c, V)
-        lp = torch.log_softmax(z, dim=-1)
-        pieces.append(lp.gather(-1, targets[:, s : s + z.shape[1]].unsqueeze(-1)).squeeze(-1))  # (B, c)
-    first = torch.zeros((B, 1), dtype=torch.float32, device=input_ids.device)
-    return torch.cat([first] + pieces, dim=1)  # (B, T)
-
-
-def pad_id_of(tokenizer: object) -> int:
-    """The id padding uses: the tokenizer's pad token, 0 when it has none."""
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return int(pad) if pad is not None else 0
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:

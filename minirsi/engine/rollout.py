@@ -37,7 +37,7 @@ its own episode, recorded as a failure: ``stop_reason="sandbox_error"``, ``error
 
 Episodes are appended to a JSONL file as they finish (``episode.JsonlWriter``), so an
 interrupted collection keeps every episode it finished, and a later call given those episodes
-(``finished``) runs only the others (``rpr.make_rollout_fn``'s journal resumes an RPR step so);
+(``finished``) runs only the others (``make_rollout_fn``'s journal resumes an RPR step so);
 ``export_atif`` writes them as ATIF trajectories (Harbor's Agent Trajectory Interchange Format)
 for viewing.
 
@@ -64,6 +64,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
@@ -76,14 +77,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from torch import nn
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from minirsi.config import load_config
 from minirsi.core import actions
 from minirsi.core.episode import Episode, JsonlWriter, read_jsonl, write_jsonl
+from minirsi.core.rpr import RolloutFn
+from minirsi.core.rsr import Replay, ReplayFn
 from minirsi.engine.models import load_actor
 from minirsi.engine.sampler import FINISH_LENGTH, HFSampler, OpenAISampler, Sample, Sampler
+from minirsi.env import sandbox, verifier
 from minirsi.env.sandbox import BACKENDS, open_sandbox
 from minirsi.env.tasks import load_tasks
 from minirsi.env.verifier import verify
@@ -694,3 +699,67 @@ def cli(argv: list[str] | None = None, command: str = "rollout") -> int:
         f"{stats.wall_s:.1f}s ({100 * stats.outside_generation:.0f}% outside generation)"
     )
     return 0
+
+
+# ------------------------------------------------- the callables the core stages take
+
+
+def make_rollout_fn(tokenizer: Any, rollout_cfg: Any, sampler_factory: Callable[..., Any] | None = None,
+                    progress: bool = True, journal: str | Path | None = None) -> RolloutFn:
+    """RPR's and RSR's default ``rollout_fn`` (``rpr.RolloutFn``): an ``HFSampler`` on the current
+    actor, then ``collect``.
+
+    ``rollout_cfg`` is the rollout helper's config (turn limit, max tokens, backend...); its
+    ``seed`` is replaced per call. ``sampler_factory(actor, tokenizer)`` builds the sampler.
+
+    ``journal``: a directory where every call appends its episodes as they finish, to
+    ``rollout-<seed>.jsonl`` (the seed names the call: one per RPR step). A call whose file is
+    there already (a stage resumed after a kill or a dead server) takes the episodes it holds
+    and collects only the others; a call whose file is complete samples nothing. Replaying a
+    stage's finished steps from their episodes gives the updates they gave (same episodes, same
+    seeds), so a resumed stage loses no finished episode and collects none twice (``rundir``
+    keeps the journal of an unfinished stage).
+    """
+    factory = sampler_factory or (lambda model, tok: HFSampler(model, tok))
+
+    def rollout_fn(actor: nn.Module, tasks: Sequence[Any], seed: int) -> list[Episode]:
+        cfg = dataclasses.replace(rollout_cfg, seed=seed) if hasattr(rollout_cfg, "seed") else rollout_cfg
+        out_path, finished = None, {}
+        if journal is not None:
+            out_path = Path(journal) / f"rollout-{seed}.jsonl"
+            finished = finished_in(out_path, tasks)
+            if len(finished) == len(tasks):
+                logger.info("rollout %d: all %d episodes from the journal %s", seed, len(tasks), out_path)
+                return [finished[i] for i in range(len(tasks))]
+            if finished:
+                logger.info("rollout %d: %d of %d episodes from the journal %s; collecting the rest", seed,
+                            len(finished), len(tasks), out_path)
+        was_training = actor.training
+        actor.eval()
+        try:
+            return collect(list(tasks), factory(actor, tokenizer), tokenizer, cfg, out_path=out_path,
+                           progress=progress, finished=finished)
+        finally:
+            actor.train(was_training)
+
+    return rollout_fn
+
+
+def make_replay_fn(backend: str = "bwrap", command_timeout: float = 30.0,
+                   open_sandbox: Callable[..., Any] | None = None,
+                   verify: Callable[[Any, Any], Any] | None = None) -> ReplayFn:
+    """RSR's replay (``rsr.ReplayFn``): ``sandbox.open_sandbox`` + ``verifier.verify`` (the env helper's)."""
+    open_sandbox = open_sandbox or sandbox.open_sandbox
+    verify = verify or verifier.verify
+
+    def replay(task: Any, commands: Sequence[str]) -> Replay:
+        outputs, codes = [], []
+        with open_sandbox(task, backend=backend) as sb:
+            for cmd in commands:
+                r = sb.run(cmd, timeout=command_timeout)
+                outputs.append(r.output)
+                codes.append(r.exit_code)
+            v = verify(sb, task)
+        return Replay(list(commands), outputs, codes, bool(v.success), int(v.passed), int(v.total))
+
+    return replay

@@ -57,6 +57,7 @@ from minirsi.core.rsr import RSRConfig
 from minirsi.engine.models import LoraRecipe
 from minirsi.engine.rollout import RolloutConfig
 from minirsi.engine.weight_sync import ServingConfig
+from minirsi.env.sandbox import BACKENDS
 from minirsi.run import memplan, report
 from minirsi.run.memplan import ScaleConfig
 from minirsi.run.rundir import RunError, Runner, StageSpec, run_stages
@@ -236,6 +237,10 @@ class RunConfig:
     """The GPUs a sharded run is planned for; a run the planner says will not fit is refused."""
 
     def __post_init__(self) -> None:
+        for key in ("rsr1", "rsr2"):  # core's RSRConfig does not know the sandbox backends
+            backend = getattr(self, key).backend
+            if backend not in BACKENDS:
+                raise ValueError(f"RSRConfig.backend={backend!r}: use one of {BACKENDS}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device='{self.device}': use cpu, cuda or cuda:N")
         if self.threads < 0:

@@ -22,7 +22,7 @@ same way), so a kill during evaluation keeps the trained stage. What a stage did
 checkpoint the next stage starts from. ``--resume`` deletes incomplete stage directories,
 drops their lines from ``metrics.jsonl``, and runs from the first stage that is not done:
 whatever finished is kept. Within an RPR stage the unit is the episode: each step's episodes are
-appended to ``journal/NN-name/rollout-<seed>.jsonl`` as they finish (``rpr.make_rollout_fn``),
+appended to ``journal/NN-name/rollout-<seed>.jsonl`` as they finish (``engine.rollout.make_rollout_fn``),
 a directory the resume keeps, so the rerun stage replays its finished steps from their
 episodes (the same updates, no sampling) and collects only the episodes that the interrupted
 step had not finished (a kill, a full disk, an inference server that died with

@@ -30,10 +30,11 @@ import torch
 from minirsi.config import ConfigError, to_dict
 from minirsi.core import distributed, fdr, rsr
 from minirsi.core.critic import build_critic, load_critic, load_critic_sharded, save_critic, warmup_critic
-from minirsi.core.episode import JsonlWriter
-from minirsi.core.rpr import make_optimizers, make_rollout_fn, run_rpr, score
+from minirsi.core.episode import JsonlWriter, pad_id_of
+from minirsi.core.rpr import make_optimizers, run_rpr, score
 from minirsi.engine import rollout
-from minirsi.engine.models import load_actor, load_actor_sharded, pad_id_of, save_actor
+from minirsi.engine.models import load_actor, load_actor_sharded, save_actor
+from minirsi.engine.rollout import make_replay_fn, make_rollout_fn
 from minirsi.engine.sampler import HFSampler
 from minirsi.engine.weight_sync import serving_sync, sharded_push
 from minirsi.env.verifier import static_checks
@@ -244,8 +245,9 @@ class RecipeRunner:
             stats = rsr.run_rsr(actor, tok, self.tasks(cfg, run_, "train"), stage_cfg,
                                 world.rollout_fn(_recording(self._rollout_fn(cfg, tok, sync=sync), writer),
                                                  gather=sync is None),
+                                make_replay_fn(stage_cfg.backend, stage_cfg.command_timeout),
                                 log_fn=lambda rec: log(0, rec), optimizer=optimizer, world=world,
-                                planner_sampler=planner_sampler)
+                                planner_sampler=planner_sampler, sampler_factory=HFSampler)
         self._save_actor(cfg, actor, tok, out)
         world.save_optimizers(run_.stage(spec), {"actor": (actor, optimizer)})
         world.release(actor)
