@@ -195,6 +195,15 @@ def test_config_rejects_bad_values():
         RSRConfig(samples_per_task=0)
 
 
+def test_the_run_config_rejects_an_unknown_replay_backend():
+    """RSRConfig (core) does not know the sandbox backends; the run config checks rsr1's and rsr2's."""
+    from minirsi.run.recipe import RunConfig
+
+    RunConfig(rsr1=RSRConfig(backend="docker"))
+    with pytest.raises(ValueError, match=r"RSRConfig.backend='podman': use one of \('bwrap', 'docker'\)"):
+        RunConfig(rsr2=RSRConfig(backend="podman"))
+
+
 def test_llm_planner_prompt_holds_task_and_cleaned_run_and_parses_commands():
     from minirsi.core.rsr import LLMPlanner
     from minirsi.engine.sampler import Sample
