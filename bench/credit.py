@@ -67,12 +67,13 @@ def run(variant: str, seed: int, steps: int, target: float, warmup_episodes: int
         critic = ZeroCritic()
     else:
         critic = build_critic(actor)
+    cfg = rpr_config(seed, advantage, **overrides)
     if critic_kind == "inherited":
         # One epoch over the frozen actor's rollouts (32 AdamW updates at lr 1e-2: enough for the
-        # critic to reach V ~ 10 on the offset bandit; at 1e-3 it reaches ~2).
-        warm_up_on_bandit(actor, critic, WarmupConfig(lr_critic=1e-2, seed=seed), n=warmup_episodes,
-                          seed=10_000 + seed, **layout)
-    cfg = rpr_config(seed, advantage, **overrides)
+        # critic to reach V ~ 10 on the offset bandit; at 1e-3 it reaches ~2), on the returns of
+        # the RPR config it precedes.
+        warm = WarmupConfig(lr_critic=1e-2, gamma_turn=cfg.gamma_turn, lam_turn=cfg.lam_turn, seed=seed)
+        warm_up_on_bandit(actor, critic, warm, n=warmup_episodes, seed=10_000 + seed, **layout)
     t0 = time.perf_counter()
     curve = bandit(actor, critic, cfg, steps=steps, episodes_per_step=64, calibration=3, seed=seed, **layout)
     return {"variant": variant, "seed": seed, "steps_to": steps_to(curve, target), "final": curve[-1],

@@ -98,7 +98,7 @@ def main() -> int:
     before = measure(4242) if args.final else {}
     warm_eps = rollout_fn(actor, [t for t in pool for _ in range(max(1, 32 // len(pool)))], 777)
     critic = build_critic(actor)
-    evs = warmup_critic(critic, warm_eps, score(warm_eps, cfg.warmup.reward, scales), cfg.warmup)
+    evs = warmup_critic(critic, warm_eps, score(warm_eps, cfg.warmup.reward, scales), cfg.finished_warmup())
     actor.requires_grad_(True)
     print(f"warm-up: {len(warm_eps)} episodes, S {sum(e.success for e in warm_eps) / len(warm_eps):.2f}, "
           f"EV {evs[0]:.2f} -> {evs[-1]:.2f}", flush=True)

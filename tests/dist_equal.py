@@ -102,7 +102,8 @@ def main() -> None:
         result["sft_loss"] = max(abs(x - y) for x, y in zip(l1, l2))
 
     # -- critic warm-up update -----------------------------------------------------------------
-    wcfg = WarmupConfig(epochs=2, minibatch_size=4, grad_accum=2, value_clip=0.2, lr_critic=LR, seed=0)
+    wcfg = WarmupConfig(epochs=2, minibatch_size=4, grad_accum=2, value_clip=0.2, lr_critic=LR, gamma_turn=1.0,
+                        lam_turn=0.95, seed=0)
     w1 = copy.deepcopy(critic)
     ev1 = warmup_critic(w1, episodes, rewards, wcfg)
     w2 = world.shard(copy.deepcopy(critic))

@@ -180,7 +180,8 @@ def test_warmup_trains_every_critic_parameter_and_no_actor_parameter():
     critic = build_critic(actor)
     before = {k: v.clone() for k, v in critic.state_dict().items()}
     episodes, rewards = learnable_episodes(24, seed=1)
-    warmup_critic(critic, episodes, rewards, WarmupConfig(minibatch_size=6, lr_critic=1e-3, seed=0))
+    warmup_critic(critic, episodes, rewards, WarmupConfig(minibatch_size=6, lr_critic=1e-3, gamma_turn=1.0, lam_turn=0.95,
+                                                                seed=0))
     assert fingerprint(actor) == a0
     assert not any(p.requires_grad for p in actor.parameters())
     unchanged = [k for k, v in critic.state_dict().items() if torch.equal(v, before[k])]
@@ -194,6 +195,15 @@ def test_warmup_config_rejects_bad_values():
         WarmupConfig(gamma_turn=1.5)
     with pytest.raises(ValueError, match="warmup.reward='x'"):
         WarmupConfig(reward="x")
+
+
+def test_a_direct_warmup_needs_the_discount_of_the_rpr_stage_it_serves():
+    actor = tiny_qwen()
+    episodes, rewards = learnable_episodes(8, seed=0)
+    with pytest.raises(ValueError, match="WarmupConfig.gamma_turn is None"):
+        warmup_critic(build_critic(actor), episodes, rewards, WarmupConfig(lam_turn=0.95))
+    with pytest.raises(ValueError, match="WarmupConfig.lam_turn is None"):
+        warmup_critic(build_critic(actor), episodes, rewards, WarmupConfig(gamma_turn=0.9))
 
 
 def test_warmup_raises_explained_variance():

@@ -68,9 +68,10 @@ def _probe(layout: str, critic: str, seed: int, steps: int, advantage: str = "tb
     kw = {"offset": OFFSET, "credit": CREDIT}[layout]
     actor = tiny_qwen(seed=seed)
     value = ZeroCritic() if critic == "zero" else build_critic(actor)
-    if critic == "inherited":  # lr 1e-2: the warm-up reaches V ~ 9.8 of the offset bandit's 10.1 (1e-3: ~2)
-        warm_up_on_bandit(actor, value, WarmupConfig(lr_critic=1e-2, seed=seed), n=256, seed=10_000 + seed, **kw)
     cfg = RPRConfig(lr_actor=1e-3, lr_critic=1e-3, gamma_turn=1.0, lam_turn=0.95, seed=seed, advantage=advantage)
+    if critic == "inherited":  # lr 1e-2: the warm-up reaches V ~ 9.8 of the offset bandit's 10.1 (1e-3: ~2)
+        warm_up_on_bandit(actor, value, WarmupConfig(lr_critic=1e-2, gamma_turn=cfg.gamma_turn, lam_turn=cfg.lam_turn,
+                                                     seed=seed), n=256, seed=10_000 + seed, **kw)
     return tuple(bandit(actor, value, cfg, steps=steps, episodes_per_step=64, calibration=3, seed=seed, **kw))
 
 

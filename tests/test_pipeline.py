@@ -112,6 +112,8 @@ def test_unknown_key_is_an_error_naming_it():
     ("eval.stages=[base,rpr9]", "rpr9"),
     ("fdr_quantile=1.5", "fdr_quantile"),  # the range is fdr.check_quantile's
     ("fdr_fallback=0", "fdr_fallback"),
+    ("warmup.gamma_turn=0.8", "drop warmup.gamma_turn"),  # the warm-up's discount is RPR-1's
+    ("warmup.lam_turn=0.5", "drop warmup.lam_turn"),
 ])
 def test_bad_value_is_an_error_naming_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -124,6 +126,18 @@ def test_presets_load(name):
     cfg = load_config(RunConfig, recipe.resolve_preset(name))
     assert cfg.eval.k == 3
     assert cfg.rpr1.lr_actor > 0 and cfg.rpr2.lr_actor > 0
+
+
+@pytest.mark.parametrize("name", ["toy-cpu", "smoke", "gpu-small"])
+def test_the_warmup_trains_on_the_discount_of_the_rpr_stage_it_precedes(name):
+    cfg = load_config(RunConfig, recipe.resolve_preset(name))
+    warm = cfg.finished_warmup()
+    assert (warm.gamma_turn, warm.lam_turn) == (cfg.rpr1.gamma_turn, cfg.rpr1.lam_turn)
+    assert cfg.warmup.gamma_turn is None and cfg.warmup.lam_turn is None  # set once, in rpr1
+    other = load_config(RunConfig, recipe.resolve_preset(name), ["rpr1.gamma_turn=0.7", "rpr1.lam_turn=0.8"])
+    assert (other.finished_warmup().gamma_turn, other.finished_warmup().lam_turn) == (0.7, 0.8)
+    same = load_config(RunConfig, recipe.resolve_preset(name), [f"warmup.gamma_turn={cfg.rpr1.gamma_turn}"])
+    assert same.finished_warmup().gamma_turn == cfg.rpr1.gamma_turn  # an explicit equal value is accepted
 
 
 def test_gpu_preset_names_a_real_model_and_cuda():

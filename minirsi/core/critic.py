@@ -38,7 +38,8 @@ Lifecycle (the "handoff"):
   must never freeze the critic built from it).
 * ``warmup_critic`` is the Warm-up Critic Model: ``WarmupConfig.epochs`` (paper: 1) critic-only
   epochs over rollouts of the frozen RSR-1 actor, backbone and head, before the first refine
-  phase. It has its own settings (``WarmupConfig``), not RPR-1's.
+  phase. It has its own settings (``WarmupConfig``), not RPR-1's, except the discount of the
+  returns it regresses on: RPR-1's (the recipe hands it on).
 * ``save_critic`` / ``load_critic`` carry it between stages; RSR stages never load it, so it
   leaves them bit-identical (``fingerprint`` is the hash a test compares).
 * Each refine phase starts with ``critic_calibration_updates`` critic-only updates; they are
@@ -47,7 +48,7 @@ Lifecycle (the "handoff"):
 Call it::
 
     critic = build_critic(actor)                      # or build_critic("runs/x/rsr1/actor")
-    evs = warmup_critic(critic, episodes, rewards, WarmupConfig())
+    evs = warmup_critic(critic, episodes, rewards, WarmupConfig(gamma_turn=0.9, lam_turn=0.95))  # RPR-1's
     save_critic(critic, "runs/x/critic"); critic = load_critic("runs/x/critic")
 """
 
@@ -92,11 +93,11 @@ class WarmupConfig:
     """Passes over the rollouts (paper: one epoch)."""
     lr_critic: float = 1e-4
     """Critic learning rate (AdamW) for the whole critic, backbone and head."""
-    gamma_turn: float = 1.0
-    """gamma_turn of the TB-GAE returns the critic regresses on; set it to RPR-1's, whose values
-    the critic will be."""
-    lam_turn: float = 0.95
-    """lambda_turn of those returns (RPR-1's, for the same reason)."""
+    gamma_turn: float | None = None
+    """gamma_turn of the TB-GAE returns the critic regresses on: RPR-1's, whose values the critic
+    will be. None: the recipe takes RPR-1's (a direct call of ``warmup_critic`` must set it)."""
+    lam_turn: float | None = None
+    """lambda_turn of those returns: RPR-1's, for the same reason (None as for gamma_turn)."""
     value_clip: float = 0.0
     """epsilon_v around V_old; 0 (default) is plain regression: with a frozen actor there is no
     policy to keep the critic's targets consistent with."""
@@ -127,7 +128,7 @@ class WarmupConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"warmup.{name}={getattr(self, name)}: use a positive value, e.g. 1e-4")
         for name in ("gamma_turn", "lam_turn"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
+            if getattr(self, name) is not None and not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"warmup.{name}={getattr(self, name)}: must be in [0, 1]")
         if self.value_clip < 0:
             raise ValueError(f"warmup.value_clip={self.value_clip}: use 0 (off) or a positive clip")
@@ -349,6 +350,10 @@ def warmup_critic(
     world = world or SINGLE
     if len(episodes) != len(rewards):
         raise ValueError(f"warmup_critic: {len(episodes)} episodes but {len(rewards)} rewards")
+    for name in ("gamma_turn", "lam_turn"):
+        if getattr(cfg, name) is None:
+            raise ValueError(f"warmup_critic: WarmupConfig.{name} is None; pass the {name} of the RPR stage this "
+                             "critic will serve (the recipe takes RPR-1's)")
     if optimizer is None:
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.lr_critic, weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -245,8 +245,19 @@ class RunConfig:
             raise ValueError(f"device='{self.device}': use cpu, cuda or cuda:N")
         if self.threads < 0:
             raise ValueError(f"threads={self.threads}: use 0 (torch default) or a positive count")
+        for name in ("gamma_turn", "lam_turn"):  # the warm-up's returns are RPR-1's (plan() hands them on)
+            mine, rpr1 = getattr(self.warmup, name), getattr(self.rpr1, name)
+            if mine is not None and mine != rpr1:
+                raise ValueError(f"warmup.{name}={mine} but rpr1.{name}={rpr1}: the warm-up trains the critic on "
+                                 f"RPR-1's returns; drop warmup.{name} (it is taken from rpr1)")
         fdr.check_quantile(self.fdr_quantile, "fdr_quantile")  # fdr.py holds the valid ranges
         fdr.check_scale(self.fdr_fallback, "fdr_fallback")
+
+
+    def finished_warmup(self) -> WarmupConfig:
+        """The warm-up's config as the stage runs it: its discount is RPR-1's, whose returns the
+        critic will be the baseline of."""
+        return dataclasses.replace(self.warmup, gamma_turn=self.rpr1.gamma_turn, lam_turn=self.rpr1.lam_turn)
 
 
 def resolve_preset(name_or_path: str) -> Path:

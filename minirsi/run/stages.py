@@ -314,7 +314,7 @@ class RecipeRunner:
         rewards = score(usable, cfg.warmup.reward, self.scales(run_))
         # every critic parameter trains; the actor stays frozen
         optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.warmup.lr_critic, weight_decay=0.0)
-        wcfg = dataclasses.replace(cfg.warmup, seed=seed)
+        wcfg = dataclasses.replace(cfg.finished_warmup(), seed=seed)
         evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=pad_id_of(tok),
                             world=world)
         binary = sum(e.success for e in usable) / len(usable)
