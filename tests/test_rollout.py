@@ -24,7 +24,7 @@ import torch
 
 from minirsi.config import ConfigError, load_config
 from minirsi.core import actions
-from minirsi.core.episode import collate, read_jsonl
+from minirsi.core.episode import collate, read_jsonl, right_pad
 from minirsi.engine.models import IM_END, build_tiny_actor, build_tokenizer, token_logprobs
 from minirsi.engine.rollout import RolloutConfig, RolloutStats, collect, episode_to_atif, export_atif
 from minirsi.engine.sampler import HFSampler, OpenAISampler, Sample
@@ -187,6 +187,16 @@ def check_invariants(ep) -> None:
 
 
 # ---------------------------------------------------------------- tests
+
+
+def test_right_pad_is_the_one_padding_of_a_batch():
+    ids, att, mask = right_pad([[5, 6, 7], [8], [9, 10]], pad_id=0, masks=[[0, 1, 1], [1], [1, 0]])
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]] and ids.dtype == torch.long
+    assert att.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]] and att.dtype == torch.long
+    assert mask.tolist() == [[0, 1, 1], [1, 0, 0], [1, 0, 0]] and mask.dtype == torch.float32
+    assert right_pad([[1, 2]], pad_id=3)[2] is None
+    with pytest.raises(ValueError, match="at least one row"):
+        right_pad([], pad_id=0)
 
 
 def test_action_tokens_are_the_sampled_ids_and_logprobs_match_training(model, tok):

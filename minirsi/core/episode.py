@@ -150,6 +150,28 @@ def read_jsonl(path: str | Path) -> Iterator[Episode]:
         yield Episode.from_dict(d)
 
 
+def right_pad(
+    rows: Sequence[Sequence[int]], pad_id: int, masks: Sequence[Sequence[float]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Token rows -> ``(input_ids, attention_mask, mask)``, all ``(B, T)`` with T the longest row:
+    ids padded with ``pad_id`` on the right (long), 1 on real tokens (long), and ``masks`` (one per
+    row, e.g. action masks) as float, 0 on padding (None when no masks are given). The one place
+    where a batch is padded: SFT, pretraining and the PPO batch all come through here."""
+    if not rows:
+        raise ValueError("right_pad needs at least one row")
+    B, T = len(rows), max(len(r) for r in rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32) if masks is not None else None
+    for i, ids in enumerate(rows):
+        n = len(ids)
+        input_ids[i, :n] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        if mask is not None:
+            mask[i, :n] = torch.tensor(masks[i], dtype=torch.float32)
+    return input_ids, attention_mask, mask
+
+
 def collate(
     episodes: Sequence[Episode],
     rewards: Sequence[float] | None = None,
@@ -166,19 +188,14 @@ def collate(
     """
     if not episodes:
         raise ValueError("collate needs at least one episode")
-    B = len(episodes)
-    T = max(len(ep.token_ids) for ep in episodes)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    action_mask = torch.zeros((B, T), dtype=torch.float32)
+    input_ids, attention_mask, action_mask = right_pad([ep.token_ids for ep in episodes], pad_id,
+                                                       [ep.action_mask for ep in episodes])
+    B, T = input_ids.shape
     turn_ids = torch.zeros((B, T), dtype=torch.long)
     old_logprobs = torch.zeros((B, T), dtype=torch.float32)
     reward_t = torch.zeros((B, T), dtype=torch.float32)
     for i, ep in enumerate(episodes):
         n = len(ep.token_ids)
-        input_ids[i, :n] = torch.tensor(ep.token_ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        action_mask[i, :n] = torch.tensor(ep.action_mask, dtype=torch.float32)
         turn_ids[i, :n] = torch.tensor(ep.turn_ids, dtype=torch.long)
         if n < T:
             turn_ids[i, n:] = ep.turn_ids[-1] if n else 0

@@ -71,7 +71,7 @@ from torch import nn
 
 from minirsi.core import actions
 from minirsi.core.distributed import SINGLE, World
-from minirsi.core.episode import Episode, masked_mean, pad_id_of
+from minirsi.core.episode import Episode, masked_mean, pad_id_of, right_pad
 from minirsi.core.scoring import chunked_scores
 
 logger = logging.getLogger(__name__)
@@ -341,14 +341,7 @@ def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: 
         rng.shuffle(order)
         for s in range(0, len(order), cfg.batch_size):
             batch = [examples[i] for i in order[s:s + cfg.batch_size]]
-            T = max(len(ids) for ids, _ in batch)
-            ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-            att = torch.zeros((len(batch), T), dtype=torch.long)
-            act = torch.zeros((len(batch), T), dtype=torch.float32)
-            for i, (x, m) in enumerate(batch):
-                ids[i, :len(x)] = torch.tensor(x)
-                att[i, :len(x)] = 1
-                act[i, :len(x)] = torch.tensor(m, dtype=torch.float32)
+            ids, att, act = right_pad([x for x, _ in batch], pad_id, [m for _, m in batch])
             device = next(model.parameters()).device
             if world.size == 1:
                 loss = sft_loss(model, ids.to(device), att.to(device), act.to(device), logit_chunk=cfg.logit_chunk)

@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 from minirsi.config import load_config, save_config, to_dict
 from minirsi.core import actions
+from minirsi.core.episode import right_pad
 from minirsi.engine.models import PRESETS, build_tiny_actor, build_tokenizer, count_parameters, save_actor
 
 logger = logging.getLogger(__name__)
@@ -216,14 +217,7 @@ def collate_weighted(
 
     ``weights[b, t]`` is w_t of the loss for predicting token t (0 at t = 0 and on padding).
     """
-    B, T = len(rows), max(len(r[0]) for r in rows)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, T), dtype=torch.long)
-    act = torch.zeros((B, T), dtype=torch.float32)
-    for i, (ids, mask) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention_mask[i, : len(ids)] = 1
-        act[i, : len(ids)] = torch.tensor(mask, dtype=torch.float32)
+    input_ids, attention_mask, act = right_pad([ids for ids, _ in rows], pad_id, [mask for _, mask in rows])
     weights = attention_mask.float() * (context_weight + (1.0 - context_weight) * act)  # (B, T)
     weights[:, 0] = 0.0  # nothing predicts the first token
     return input_ids, attention_mask, weights, act
