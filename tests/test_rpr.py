@@ -825,3 +825,24 @@ def test_rpr_phase_raises_mean_reward_on_a_task_with_some_success(tmp_path):
             assert key in h, key
         assert 0 <= h["logprob_gap"] < 1e-3  # the HF sampler and the trainer run the same weights
     assert start["approx_kl"] == 0.0 and start["clip_frac"] == 0.0  # calibration: the actor never moved
+
+
+def test_one_optimizer_step_clips_what_the_optimizer_trains_then_steps():
+    """core.optim: AdamW over the parameters that train (frozen ones left out, as a LoRA actor's
+    base), and the step RSR, the warm-up and RPR share: the returned norm is the one before
+    clipping, the step is taken on the clipped gradient."""
+    from minirsi.core.optim import adamw, clipped_step
+
+    frozen, trained = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    frozen.requires_grad_(False)
+    opt = adamw([*frozen.parameters(), *trained.parameters()], lr=0.1)
+    assert [p for g in opt.param_groups for p in g["params"]] == list(trained.parameters())
+    assert opt.defaults["weight_decay"] == 0.0
+    (100.0 * trained(frozen(torch.ones(1, 3)))).sum().backward()
+    grads = [p.grad.clone() for p in trained.parameters()]
+    full = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    before = [p.detach().clone() for p in trained.parameters()]
+    assert clipped_step(opt, max_grad_norm=1.0) == pytest.approx(full)
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in trained.parameters()]))
+    assert float(clipped) == pytest.approx(1.0, rel=1e-4)  # clipped in place before the step
+    assert all(not torch.equal(a, p) for a, p in zip(before, trained.parameters()))

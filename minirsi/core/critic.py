@@ -69,6 +69,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 
 from minirsi.core.distributed import SINGLE, World
 from minirsi.core.episode import Episode, collate, forward_by_length, masked_mean, minibatches
+from minirsi.core.optim import adamw, clipped_step
 from minirsi.core.tb_gae import tb_gae
 
 logger = logging.getLogger(__name__)
@@ -355,7 +356,7 @@ def warmup_critic(
             raise ValueError(f"warmup_critic: WarmupConfig.{name} is None; pass the {name} of the RPR stage this "
                              "critic will serve (the recipe takes RPR-1's)")
     if optimizer is None:
-        optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.lr_critic, weight_decay=0.0)
+        optimizer = adamw(critic.parameters(), cfg.lr_critic)
     gen = torch.Generator().manual_seed(cfg.seed)
     device = critic.head.weight.device
     lengths = torch.tensor([len(e.token_ids) for e in episodes])
@@ -382,7 +383,6 @@ def warmup_critic(
                 world.grad_sync([critic], last=i == len(parts) - 1)
                 v = critic(b["input_ids"], b["attention_mask"])
                 value_loss(v, b["old_values"], b["returns"], b["action_mask"], cfg.value_clip, n_tok).backward()
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-            optimizer.step()
+            clipped_step(optimizer, cfg.max_grad_norm)
             logger.info("critic warm-up update %d: EV %.3f", len(evs), evs[-1])
     return evs

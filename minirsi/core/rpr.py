@@ -77,13 +77,11 @@ Call it::
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -93,6 +91,7 @@ from minirsi.core.critic import ValueModel, explained_variance, value_loss
 from minirsi.core.distributed import SINGLE, World
 from minirsi.core.episode import Episode, collate, masked_mean, minibatches, pad_id_of, trimmed
 from minirsi.core.fdr import family_dense_reward
+from minirsi.core.optim import adamw, clipped_step
 from minirsi.core.scoring import chunked_scores, logprobs_from_logits
 from minirsi.core.spr import success_prioritized_reward
 from minirsi.core.tb_gae import tb_gae
@@ -264,9 +263,7 @@ class Optimizers(NamedTuple):
 
 def make_optimizers(actor: nn.Module, critic: ValueModel, cfg: RPRConfig) -> Optimizers:
     """AdamW per model with the stage's own learning rates."""
-    params = [p for p in actor.parameters() if p.requires_grad]  # LoRA: only the adapters
-    return Optimizers(torch.optim.AdamW(params, lr=cfg.lr_actor, weight_decay=0.0),
-                      torch.optim.AdamW(critic.parameters(), lr=cfg.lr_critic, weight_decay=0.0))
+    return Optimizers(adamw(actor.parameters(), cfg.lr_actor), adamw(critic.parameters(), cfg.lr_critic))
 
 
 # --------------------------------------------------------------------------- pure losses
@@ -542,12 +539,9 @@ def ppo_update(
             if not stopped:
                 if cfg.lr_warmup_updates:
                     _warmup_lr(optimizers.actor, cfg.lr_actor, cfg.lr_warmup_updates)
-                trainable = [p for p in actor.parameters() if p.requires_grad]
-                norms["grad_norm_actor"] += float(torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm))
-                optimizers.actor.step()
+                norms["grad_norm_actor"] += clipped_step(optimizers.actor, cfg.max_grad_norm)
                 actor_steps += 1
-            norms["grad_norm_critic"] += float(torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm))
-            optimizers.critic.step()
+            norms["grad_norm_critic"] += clipped_step(optimizers.critic, cfg.max_grad_norm)
             n_steps += 1
     totals = world.all_sum([*sums.values(), seen])
     sums, seen = dict(zip(sums, totals[:-1])), totals[-1]

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -72,6 +71,7 @@ from torch import nn
 from minirsi.core import actions
 from minirsi.core.distributed import SINGLE, World
 from minirsi.core.episode import Episode, masked_mean, pad_id_of, right_pad
+from minirsi.core.optim import adamw, clipped_step
 from minirsi.core.scoring import chunked_scores
 
 logger = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ def sft_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def make_optimizer(model: nn.Module, cfg: RSRConfig) -> torch.optim.Optimizer:
     """AdamW at ``cfg.lr`` over the trainable parameters (LoRA: the adapters only)."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    return adamw(model.parameters(), cfg.lr)
 
 
 def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: RSRConfig, pad_id: int,
@@ -352,8 +352,7 @@ def sft(model: nn.Module, examples: Sequence[tuple[list[int], list[int]]], cfg: 
                                 normalizer=n, logit_chunk=cfg.logit_chunk)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
-            opt.step()
+            clipped_step(opt, cfg.max_grad_norm)
             losses.append(float(world.all_sum(loss.detach())) / world.size)  # the whole batch's loss
     return losses
 

@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
-from minirsi.config import ConfigError, to_dict
+from minirsi.config import ConfigError
 from minirsi.core import distributed, fdr, rsr
 from minirsi.core.critic import build_critic, load_critic, load_critic_sharded, save_critic, warmup_critic
 from minirsi.core.episode import JsonlWriter, pad_id_of
+from minirsi.core.optim import adamw
 from minirsi.core.rpr import make_optimizers, run_rpr, score
 from minirsi.engine import rollout
 from minirsi.engine.models import load_actor, load_actor_sharded, save_actor
@@ -313,7 +312,7 @@ class RecipeRunner:
             raise RuntimeError("warm-up: no rollout produced an action; check the sandbox (minirsi task check)")
         rewards = score(usable, cfg.warmup.reward, self.scales(run_))
         # every critic parameter trains; the actor stays frozen
-        optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.warmup.lr_critic, weight_decay=0.0)
+        optimizer = adamw(critic.parameters(), cfg.warmup.lr_critic)
         wcfg = dataclasses.replace(cfg.finished_warmup(), seed=seed)
         evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=pad_id_of(tok),
                             world=world)

@@ -60,7 +60,6 @@ import logging
 import os
 import random
 import select
-import shlex
 import shutil
 import signal
 import subprocess
