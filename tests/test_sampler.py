@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from minirsi.engine.models import IM_END, build_tiny_actor, build_tokenizer, token_logprobs
-from minirsi.engine.sampler import HFSampler, OpenAISampler, OpenAISamplerError, Sample, _draw, _prefill_groups
+from minirsi.engine.sampler import HFSampler, OpenAISampler, OpenAISamplerError, Sample
+from minirsi.engine.sampler.hf import _draw, _prefill_groups
 from minirsi.engine.serve import CompletionServer, start_in_thread
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Tutorial 4: a rollout, token by token.
-(modules: minirsi/engine/models.py, minirsi/core/actions.py, minirsi/engine/sampler.py, minirsi/engine/rollout.py,
+(modules: minirsi/engine/models.py, minirsi/core/actions.py, minirsi/engine/sampler/, minirsi/engine/rollout.py,
 minirsi/core/episode.py)
 
 Run:  python tutorials/04_rollout.py          (about half a minute on a laptop CPU)

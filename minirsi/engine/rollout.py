@@ -7,7 +7,7 @@ built by appending ids, never by re-tokenising text:
     token_ids   = prompt ++ a_0 ++ o_1 ++ a_1 ++ o_2 ++ ... ++ a_{K-1}
     action_mask =   0...0 ++ 1..1 ++ 0..0 ++ 1..1 ++ ...      ++ 1..1
     turn_ids    =   0...0 ++ 0..0 ++ 1..1 ++ 1..1 ++ 2..2 ... ++ K-1
-    logprobs    = None... ++ log pi_tau(a_0 | .) ++ None ... (the sampler's, see sampler.py)
+    logprobs    = None... ++ log pi_tau(a_0 | .) ++ None ... (the sampler's, see engine/sampler)
 
 * a_k are exactly the ids the sampler returned (its stop id ``<|im_end|>`` included);
 * o_{k+1} = ``actions.render_observation_ids(format_observation(results))`` (ChatML user turn
