@@ -17,9 +17,10 @@ torch.set_num_threads(1)
 
 
 # The files that take longest, longest first (measured with --durations on a 2-core machine:
-# the smoke recipe alone ~10 min). With `-n 2 --dist loadfile` (the README's test command) each
-# worker takes whole files in collection order, so starting with these lets the short files fill
-# in behind them and both workers finish near the same time.
+# the smoke recipe alone ~10 min). With `-n 2 --dist loadfile --no-loadscope-reorder` (the
+# README's test command) each worker takes whole files in collection order, so starting with
+# these lets the short files fill in behind them and both workers finish near the same time.
+# (Without --no-loadscope-reorder xdist sorts files by their number of tests instead.)
 _LONGEST_FIRST = ["test_pipeline.py", "test_distributed.py", "test_learning.py", "test_tutorials.py",
                   "test_serving.py", "test_toy_envs.py", "test_layers.py", "test_rpr.py", "test_pretrain.py"]
 
