@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minirsi.env.layers import prepare  # noqa: E402
+from minirsi.env.prepare import prepare  # noqa: E402
 from minirsi.env.sandbox import open_sandbox  # noqa: E402
 from minirsi.env.sandbox.bwrap import default_rootfs  # noqa: E402
 from minirsi.env.tasks import load_task  # noqa: E402

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from minirsi.env.layers import cache_dir, prepare
+from minirsi.env.layers import cache_dir
+from minirsi.env.prepare import prepare
 from minirsi.env.sandbox import open_sandbox
 from minirsi.env.sandbox.bwrap import default_rootfs
 from minirsi.env.tasks import load_task

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from minirsi.env.dockerfile import DockerfileError, map_base, parse_dockerfile, substitute
-from minirsi.env.layers import (ROOTFS_PACKAGES, LayerError, ToolSpec, base_rootfs, ensure_base, find_prepared, prepare,
-                            read_tool_spec)
+from minirsi.env.layers import ROOTFS_PACKAGES, LayerError, ToolSpec, base_rootfs, ensure_base, read_tool_spec
+from minirsi.env.prepare import find_prepared, prepare
 from minirsi.env.sandbox import SandboxError, open_sandbox
 from minirsi.env.sandbox import verifier_shims as shims
 from minirsi.env.sandbox.bwrap import default_rootfs
@@ -146,12 +146,12 @@ def test_the_trixie_base_is_built_once_atomically(tmp_path, monkeypatch):
 
 
 def test_a_failed_run_on_a_differing_base_says_the_base_differs(tmp_path, monkeypatch):
-    import minirsi.env.layers as layers_mod
+    import minirsi.env.prepare as prepare_mod
 
     def failing_build(key, lowers, steps, context, timeout, meta, log):
         raise LayerError("Dockerfile:3: RUN apt-get source pmars: exited with status 100; last lines:\nE: no")
-    monkeypatch.setattr(layers_mod, "_build", failing_build)
-    monkeypatch.setattr(layers_mod, "_layer", lambda key: None)
+    monkeypatch.setattr(prepare_mod, "_build", failing_build)
+    monkeypatch.setattr(prepare_mod, "_layer", lambda key: None)
     rootfs = tmp_path / "rootfs"
     (rootfs / "var/lib/dpkg").mkdir(parents=True)
     (rootfs / "var/lib/dpkg/status").write_text("Package: x\n")

@@ -45,13 +45,8 @@ counts and two preparations of one environment build it once. Disk: a layer hold
 changes (e.g. two apt packages: a few MB); apt lists and caches are removed at the end.
 Preparation needs root (dpkg chowns files to system users; overlayfs upper dirs need it).
 
-Call::
-
-    prepared, built = prepare(task, rootfs)   # build what is missing (network), else reuse
-    prepared = find_prepared(task, rootfs)    # None if not prepared (no work, no network)
-
-(``rootfs``: the Debian 12 one, minirsi.env.sandbox.bwrap.default_rootfs(); a trixie task's base is
-its sibling, ``base_rootfs``.)
+A task's layers are found or built together by minirsi/env/prepare.py (``prepare``,
+``find_prepared``); this module builds one layer and computes the keys.
 """
 
 from __future__ import annotations
@@ -393,32 +388,6 @@ def _dockerfile(task) -> Dockerfile:
     return parse_dockerfile(task.dockerfile)
 
 
-def find_prepared(task, rootfs: Path) -> Prepared | None:
-    """The task's layers if they are all prepared, else None (no work beyond hashing).
-
-    ``rootfs``: the Debian 12 rootfs; the task's base is base_rootfs(its release, rootfs)."""
-    df = _dockerfile(task)
-    base = base_rootfs(df.release, rootfs)
-    if df.release != "bookworm" and not _base_ready(base):
-        return None
-    key = environment_key(task, base)
-    env_layer = _layer(key)
-    if env_layer is None:
-        return None
-    spec = read_tool_spec(task.test_script) if task.test_script.is_file() else ToolSpec()
-    apt = _layer(apt_key(key, spec.apt)) if spec.apt else None
-    pip = _layer(pip_key(base, spec.pip)) if spec.pip else None
-    if (spec.apt and apt is None) or (spec.pip and pip is None):
-        return None
-    from minirsi.env.wheelhouse import index_key, read_index_specs
-
-    groups = read_index_specs(task)
-    index = _layer(index_key(key, groups)) if groups else None
-    if groups and index is None:
-        return None
-    return Prepared(env_layer, base, apt, pip, dict(df.env), tuple(df.notes), spec.system, index)
-
-
 # --- building --------------------------------------------------------------------------------------
 def _host_pip() -> Path:
     """The host's pip package: pure Python, run by the layer's python3 at preparation (the
@@ -646,55 +615,6 @@ def _pip_steps(where: Path, specs: tuple[str, ...]) -> list[tuple[str, str, dict
     pkgs = " ".join(shlex.quote(p) for p in specs)
     return [(f"{where}: test tools {pkgs}",
              f"python3 -m pip install -q --no-cache-dir --target {TOOLS_DIR} {pkgs}", {"PYTHONPATH": _PIP}, "/")]
-
-
-def prepare(task, rootfs: Path, log: Callable[[str], None] = lambda s: None) -> tuple[Prepared, bool]:
-    """Build the task's missing layers (with the network); return (prepared, whether anything was built).
-
-    ``rootfs``: the Debian 12 rootfs; a task whose base is another release's (Dockerfile.release)
-    gets that base built first if missing (ensure_base). Raises DockerfileError for a line that
-    cannot be honoured and LayerError for a step that failed.
-    """
-    df = _dockerfile(task)
-    rootfs, built = ensure_base(df.release, rootfs, log)  # from here on, `rootfs` is the task's base
-    key = environment_key(task, rootfs)
-    timeout = float(task.environment.get("build_timeout_sec", 1800.0))
-    env_layer = _layer(key)
-    if env_layer is None:
-        log(f"{task.task_id}: preparing environment layer {key} from {task.dockerfile}")
-        try:
-            env_layer = _build(key, [rootfs], _env_steps(df, task.environment_dir), task.environment_dir, timeout,
-                               {"kind": "environment", "dockerfile": str(task.dockerfile), "base": df.base,
-                                "base_rootfs": str(rootfs), "notes": df.notes, "env": df.env, "workdir": df.workdir},
-                               log)
-        except LayerError as e:
-            if not df.notes:
-                raise
-            # a RUN that works on the image's own release may not on the local base: say so with the failure
-            raise LayerError(f"{e}\n(base differs: {'; '.join(df.notes)})") from e
-        built = True
-    spec = read_tool_spec(task.test_script) if task.test_script.is_file() else ToolSpec()
-    apt = pip = None
-    if spec.apt:
-        akey = apt_key(key, spec.apt)
-        apt = _layer(akey)
-        if apt is None:
-            log(f"{task.task_id}: preparing test.sh's apt layer {akey} ({' '.join(spec.apt)})")
-            apt = _build(akey, [env_layer.upper, rootfs], _apt_steps(task.test_script, spec.apt), None, timeout,
-                         {"kind": "apt", "env_layer": key, "apt": spec.apt}, log)
-            built = True
-    if spec.pip:
-        pkey = pip_key(rootfs, spec.pip)
-        pip = _layer(pkey)
-        if pip is None:
-            log(f"{task.task_id}: preparing test tools {pkey} ({' '.join(spec.pip)})")
-            pip = _build(pkey, [rootfs], _pip_steps(task.test_script, spec.pip), None, timeout,
-                         {"kind": "pip", "pip": spec.pip, "base_rootfs": str(rootfs)}, log)
-            built = True
-    from minirsi.env.wheelhouse import prepare_index
-
-    index, index_built = prepare_index(task, env_layer, rootfs, timeout, log)
-    return Prepared(env_layer, rootfs, apt, pip, dict(df.env), tuple(df.notes), spec.system, index), built or index_built
 
 
 def list_layers() -> list[dict]:

@@ -168,7 +168,7 @@ def _layer_notes(task: Task, backend: str) -> tuple[str, ...]:
     if backend != "bwrap" or not task.uses_layer:
         return ()
     from minirsi.env.dockerfile import parse_dockerfile
-    from minirsi.env.layers import find_prepared
+    from minirsi.env.prepare import find_prepared
     from minirsi.env.sandbox.bwrap import default_rootfs
     from minirsi.env.wheelhouse import describe
 
@@ -200,7 +200,8 @@ def prepare_tasks(tasks: list[Task], log=print) -> tuple[list[Task], dict[str, E
 
     Returns (tasks that can run, {task id: DockerfileError or LayerError}, layers built)."""
     from minirsi.env.dockerfile import DockerfileError
-    from minirsi.env.layers import LayerError, prepare
+    from minirsi.env.layers import LayerError
+    from minirsi.env.prepare import prepare
     from minirsi.env.sandbox.bwrap import default_rootfs
     from minirsi.env.wheelhouse import missing_warning
 
@@ -245,7 +246,7 @@ def _unready(tasks: list[Task], prepare_missing: bool) -> tuple[dict[str, str], 
     reason, a Dockerfile line that cannot be honoured makes the task invalid. Without it, an
     unprepared task's reason is the command that prepares it."""
     from minirsi.env.dockerfile import DockerfileError
-    from minirsi.env.layers import find_prepared
+    from minirsi.env.prepare import find_prepared
     from minirsi.env.sandbox.bwrap import default_rootfs
 
     why: dict[str, str] = {}

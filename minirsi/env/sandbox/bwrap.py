@@ -405,7 +405,7 @@ class BwrapSandbox(ShellSandbox):
         if not task.uses_layer:
             return None
         from minirsi.env.dockerfile import DockerfileError
-        from minirsi.env.layers import find_prepared
+        from minirsi.env.prepare import find_prepared
 
         try:
             prepared = find_prepared(task, self.rootfs)
