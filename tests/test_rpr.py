@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minirsi.config import ConfigError, load_config
-from minirsi.core.critic import build_critic, fingerprint
+from minirsi.core.critic import build_critic, fingerprint, value_loss
 from minirsi.core.episode import Episode, collate
 from minirsi.core.rpr import (
     EdgeStream,
@@ -248,6 +248,39 @@ def test_calibration_update_leaves_actor_bit_identical():
     ppo_update(actor, critic, synthetic_batch(), cfg, make_optimizers(actor, critic, cfg), update_actor=False)
     assert fingerprint(actor) == a0
     assert fingerprint(critic) != c0
+
+
+def test_a_calibration_update_is_the_warmups_critic_step_and_never_reads_the_actor():
+    """RPR's calibration and the warm-up share one critic step (critic.critic_step): the
+    calibration update equals that step written out by hand (zero_grad, value_coef * L_V over
+    the micro-batches, normalised by the minibatch's token count, one clipped AdamW step), and
+    the actor is not even called."""
+    class Unread(torch.nn.Module):
+        def forward(self, *a, **k):
+            raise AssertionError("a calibration update read the actor")
+
+    cfg = _cfg(minibatch_size=6, grad_accum=2, value_coef=0.5, value_clip=0.2)
+    batch = synthetic_batch(n=6, seed=5)
+    batch["old_values"] = torch.randn(batch["action_mask"].shape, generator=torch.Generator().manual_seed(1))
+    critic = build_critic(tiny_qwen())
+    by_hand = copy.deepcopy(critic)
+    opt = torch.optim.AdamW(by_hand.parameters(), lr=cfg.lr_critic, weight_decay=0.0)
+    m = ppo_update(Unread(), critic, batch, cfg, make_optimizers(torch.nn.Linear(1, 1), critic, cfg), update_actor=False)
+    # by hand: one minibatch of all 6 rows in 2 micro-batches (their order does not change the sum)
+    n_tok = batch["action_mask"].sum()
+    opt.zero_grad()
+    for rows in (slice(0, 3), slice(3, 6)):
+        mb = {k: v[rows] for k, v in batch.items()}
+        values = by_hand(mb["input_ids"], mb["attention_mask"])
+        (cfg.value_coef * value_loss(values, mb["old_values"], mb["returns"], mb["action_mask"], cfg.value_clip,
+                                     n_tok)).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(by_hand.parameters(), cfg.max_grad_norm))
+    opt.step()
+    for (name, a), b in zip(critic.state_dict().items(), by_hand.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # AdamW hardly sees a scale on the loss: the gradient norm does (value_coef applied once)
+    assert m["grad_norm_critic"] == pytest.approx(norm, rel=1e-5)
+    assert m["actor_updates"] == 0 and m["value_loss"] > 0 and "approx_kl" not in m
 
 
 def test_grad_accumulation_equals_one_big_minibatch():
@@ -820,11 +853,13 @@ def test_rpr_phase_raises_mean_reward_on_a_task_with_some_success(tmp_path):
     assert _log_odds_right_word(world, task) > odds0 + 1.5
     assert fingerprint(world.actor) != a0 and fingerprint(critic) != c0
     for h in history:
-        for key in ("dense_reward", "binary_reward", "turns", "approx_kl", "clip_frac", "explained_variance",
-                    "entropy", "logprob_gap", "rollout_s", "update_s", "grad_norm_critic"):
+        policy = ("approx_kl", "clip_frac", "entropy", "grad_norm_actor") if h["phase"] == "joint" else ()
+        for key in ("dense_reward", "binary_reward", "turns", "explained_variance", "logprob_gap", "rollout_s",
+                    "update_s", "grad_norm_critic", "value_loss", *policy):
             assert key in h, key
         assert 0 <= h["logprob_gap"] < 1e-3  # the HF sampler and the trainer run the same weights
-    assert start["approx_kl"] == 0.0 and start["clip_frac"] == 0.0  # calibration: the actor never moved
+    # calibration: the critic's step alone, the actor not even read (no policy metrics)
+    assert start["actor_updates"] == 0 and "approx_kl" not in start and "entropy" not in start
 
 
 def test_one_optimizer_step_clips_what_the_optimizer_trains_then_steps():

@@ -250,13 +250,16 @@ def critic_skeleton(path: str | Path) -> ValueModel:
     return ValueModel(backbone, hidden).requires_grad_(True)
 
 
-def load_critic_sharded(path: str | Path, world: "World") -> ValueModel:
+def load_critic_sharded(path: str | Path, world: "World", device: str | torch.device = "cpu") -> ValueModel:
     """``load_critic(path)`` for a saved critic, ``build_critic(path)`` for an actor checkpoint,
     sharded over ``world`` by ``World.load_sharded`` (rank 0 reads, the others build
-    ``critic_skeleton`` on the meta device). Rank 0 keeps no unsharded copy: the critic is only
-    gathered to be saved. At world size 1, the loaded critic itself."""
+    ``critic_skeleton`` on the meta device; the shards live on the world's device). Rank 0 keeps
+    no unsharded copy: the critic is only gathered to be saved. At world size 1, the loaded
+    critic itself, on ``device``."""
     path = Path(path)
     load = (lambda: load_critic(path)) if (path / "critic.json").is_file() else (lambda: build_critic(path))
+    if world.size == 1:
+        return load().to(device)
     return world.load_sharded(load, lambda: critic_skeleton(path), keep_unsharded=False)
 
 
@@ -378,11 +381,39 @@ def warmup_critic(
             if world.size > 1:  # train on this rank's rows, normalised by N / W (minirsi.core.distributed)
                 parts = [world.local(b) for b in parts]
                 n_tok = world.normalizer(sum(b["action_mask"].sum() for b in parts).clamp(min=1))
-            optimizer.zero_grad(set_to_none=True)
-            for i, b in enumerate(parts):
-                world.grad_sync([critic], last=i == len(parts) - 1)
-                v = critic(b["input_ids"], b["attention_mask"])
-                value_loss(v, b["old_values"], b["returns"], b["action_mask"], cfg.value_clip, n_tok).backward()
-            clipped_step(optimizer, cfg.max_grad_norm)
+            critic_step(critic, optimizer, parts, n_tok, cfg.value_clip, cfg.max_grad_norm, world=world)
             logger.info("critic warm-up update %d: EV %.3f", len(evs), evs[-1])
     return evs
+
+
+def critic_step(
+    critic: ValueModel,
+    optimizer: torch.optim.Optimizer,
+    parts: Sequence[dict[str, torch.Tensor]],
+    n_tok: torch.Tensor,
+    value_clip: float | None,
+    max_grad_norm: float,
+    value_coef: float = 1.0,
+    world: World | None = None,
+) -> tuple[float, float]:
+    """One optimizer step of the critic alone: the warm-up's update and an RPR calibration
+    update (``rpr.ppo_update(update_actor=False)``).
+
+    ``parts`` are one minibatch's micro-batches (this rank's rows), each with ``input_ids``,
+    ``attention_mask``, ``old_values``, ``returns`` and ``action_mask`` (all (b, T)); every
+    micro-batch's loss is divided by the minibatch's token count ``n_tok``, so the accumulated
+    gradient is that of the minibatch's token mean of ``value_coef`` * L_V.
+
+    Returns:
+        (sum over micro-batches of L_V, the gradient norm before clipping).
+    """
+    world = world or SINGLE
+    optimizer.zero_grad(set_to_none=True)
+    loss = 0.0
+    for i, b in enumerate(parts):
+        world.grad_sync([critic], last=i == len(parts) - 1)  # reduce-scatter in the last micro-batch only
+        values = critic(b["input_ids"], b["attention_mask"])  # (b, T)
+        l_v = value_loss(values, b["old_values"], b["returns"], b["action_mask"], value_clip, n_tok)
+        (value_coef * l_v).backward()
+        loss += float(l_v.detach())
+    return loss, clipped_step(optimizer, max_grad_norm)

@@ -87,7 +87,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from minirsi.core.critic import ValueModel, explained_variance, value_loss
+from minirsi.core.critic import ValueModel, critic_step, explained_variance, value_loss
 from minirsi.core.distributed import SINGLE, World
 from minirsi.core.episode import Episode, collate, masked_mean, minibatches, pad_id_of, trimmed
 from minirsi.core.fdr import family_dense_reward
@@ -473,8 +473,8 @@ def ppo_update(
     """``cfg.ppo_epochs`` passes over ``batch`` (from ``prepare_batch``) in minibatches of
     ``cfg.minibatch_size`` episodes, each accumulated over ``cfg.grad_accum`` micro-batches.
 
-    ``update_actor=False`` is a critic calibration update: the actor is only read (for the
-    metrics) and its optimizer never steps. ``ref_model`` is used only when the batch has no
+    ``update_actor=False`` is a critic calibration update (``calibration_update``): the same
+    minibatches, the critic's step only; the actor is not read. ``ref_model`` is used only when the batch has no
     ``ref_logprobs`` yet. ``seed`` (default ``cfg.seed``) seeds the minibatch shuffle; run_rpr
     passes a new one each step. Returns metrics averaged over all action tokens seen.
 
@@ -482,6 +482,8 @@ def ppo_update(
     minibatches, and trains on its rows of each micro-batch (``world.local``) with the loss
     normaliser all-reduced (``world.normalizer``), so the update equals the one-process one.
     """
+    if not update_actor:
+        return calibration_update(critic, batch, cfg, optimizers.critic, seed, world)
     mask_all = batch["action_mask"]
     if cfg.kl_coef > 0 and "ref_logprobs" not in batch:
         model, ctx = _reference(actor, ref_model)
@@ -490,7 +492,7 @@ def ppo_update(
                                                "approx_kl", "kl_ref")}
     norms = {"grad_norm_actor": 0.0, "grad_norm_critic": 0.0}
     seen, n_steps, actor_steps = 0.0, 0, 0
-    stopped = not update_actor  # target_kl reached: the actor is only read from then on
+    stopped = False  # target_kl reached: the actor is only read from then on
     gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
     actor.train()
     critic.train()
@@ -553,6 +555,38 @@ def ppo_update(
     metrics["explained_variance"] = explained_variance(batch["returns"], batch["old_values"], mask_all)
     metrics["action_tokens"] = float(mask_all.sum())
     return metrics
+
+
+def calibration_update(
+    critic: ValueModel,
+    batch: dict[str, torch.Tensor],
+    cfg: RPRConfig,
+    optimizer: torch.optim.Optimizer,
+    seed: int | None = None,
+    world: World = SINGLE,
+) -> dict[str, float]:
+    """A critic calibration update: ``ppo_update``'s passes and minibatches, each a
+    ``critic.critic_step`` (the warm-up's step) on L_V; the actor is not read. Returns the
+    critic's metrics: ``value_loss``, ``grad_norm_critic``, ``explained_variance`` (of V_old),
+    ``action_tokens``, and ``actor_updates`` = 0."""
+    mask_all = batch["action_mask"]
+    gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)  # the draws ppo_update would make
+    critic.train()
+    lengths = batch["attention_mask"].sum(1)
+    loss, seen, norm, n_steps = 0.0, 0.0, 0.0, 0
+    for _ in range(cfg.ppo_epochs):
+        for micro in minibatches(mask_all.shape[0], cfg.minibatch_size, cfg.grad_accum, gen, lengths):
+            parts = [world.local(trimmed(batch, idx)) for idx in micro]
+            n_tok = world.normalizer(sum(mb["action_mask"].sum() for mb in parts).clamp(min=1))
+            l_v, g = critic_step(critic, optimizer, parts, n_tok, cfg.value_clip, cfg.max_grad_norm,
+                                 cfg.value_coef, world)
+            loss, norm, n_steps = loss + l_v * float(n_tok), norm + g, n_steps + 1
+            seen += float(sum(mb["action_mask"].sum() for mb in parts))
+    loss, seen = world.all_sum([loss, seen])  # the token mean over every rank's rows, as ppo_update's
+    return {"value_loss": loss / max(seen, 1.0), "grad_norm_critic": norm / max(n_steps, 1),
+            "actor_updates": 0.0,
+            "explained_variance": explained_variance(batch["returns"], batch["old_values"], mask_all),
+            "action_tokens": float(mask_all.sum())}
 
 
 def _warmup_lr(optimizer: torch.optim.Optimizer, lr: float, warmup: int) -> None:
@@ -775,7 +809,7 @@ def run_rpr(
         history.append(record)
         logger.info("RPR %s step %d: reward %.3f S %.3f EV %.3f KL %.4f clip %.3f gap %.2e", phase, step,
                     record["reward"], record["binary_reward"], record["explained_variance"],
-                    record["approx_kl"], record["clip_frac"], record["logprob_gap"])
+                    record.get("approx_kl", 0.0), record.get("clip_frac", 0.0), record["logprob_gap"])
         if log_fn is not None:
             log_fn(record)
     return history
