@@ -30,7 +30,7 @@ from minirsi.core.rpr import run_rpr, score
 from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_rollout_fn
 from minirsi.run.evaluate import load_suites
-from minirsi.run.recipe import RunConfig, resolve_preset
+from minirsi.run.config import RunConfig, resolve_preset
 from minirsi.run.stages import calibrate_scales
 
 
@@ -98,7 +98,8 @@ def main() -> int:
     before = measure(4242) if args.final else {}
     warm_eps = rollout_fn(actor, [t for t in pool for _ in range(max(1, 32 // len(pool)))], 777)
     critic = build_critic(actor)
-    evs = warmup_critic(critic, warm_eps, score(warm_eps, cfg.warmup.reward, scales), cfg.finished_warmup())
+    evs = warmup_critic(critic, warm_eps, score(warm_eps, cfg.warmup.reward, scales), 
+                         dataclasses.replace(cfg.warmup, gamma_turn=cfg.rpr1.gamma_turn, lam_turn=cfg.rpr1.lam_turn))
     actor.requires_grad_(True)
     print(f"warm-up: {len(warm_eps)} episodes, S {sum(e.success for e in warm_eps) / len(warm_eps):.2f}, "
           f"EV {evs[0]:.2f} -> {evs[-1]:.2f}", flush=True)

@@ -30,7 +30,7 @@ from minirsi.engine.rollout import make_replay_fn, make_rollout_fn
 from minirsi.engine.sampler import HFSampler
 from minirsi.run import failures
 from minirsi.run.evaluate import load_suites
-from minirsi.run.recipe import RunConfig, resolve_preset
+from minirsi.run.config import RunConfig, resolve_preset
 from minirsi.run.rundir import stage_seed
 
 

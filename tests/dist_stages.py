@@ -15,6 +15,7 @@ Not a pytest module: it needs a process group."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import sys
@@ -30,8 +31,9 @@ from minirsi.core import distributed  # noqa: E402
 from minirsi.engine import rollout  # noqa: E402
 from minirsi.run import stages  # noqa: E402
 from minirsi.run.memplan import ScaleConfig  # noqa: E402
-from minirsi.run.recipe import RunConfig  # noqa: E402
-from minirsi.run.rundir import RunDir, StageInputs, StageSpec  # noqa: E402
+from minirsi.run.config import RunConfig  # noqa: E402
+from minirsi.run.recipe import plan  # noqa: E402
+from minirsi.run.rundir import RunDir, StageInputs  # noqa: E402
 from test_rpr import synthetic_episode  # noqa: E402
 
 
@@ -103,7 +105,7 @@ def main() -> None:
         runner._tasks = {"train": tasks, "core": tasks}
         runner.scales = lambda run_: {"f": 2.0}
         runner._servers = (lambda cfg, run_: FakeSync()) if servers else (lambda cfg, run_: None)
-        spec = StageSpec(2, f"warmup{int(servers)}", "warmup", "Warm-up", actor_from="rsr1", config_key="warmup")
+        spec = dataclasses.replace({s.name: s for s in plan(cfg)}["warmup"], name=f"warmup{int(servers)}")
         stage_dir = run_.stage(spec)
         if world.is_main:
             stage_dir.mkdir(parents=True)

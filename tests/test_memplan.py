@@ -149,7 +149,7 @@ def test_shape_from_a_transformers_config(tmp_path):
 
 @pytest.mark.parametrize("config", sorted((ROOT / "scale/configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_scale_configs_load_and_fit(config):
-    from minirsi.run.recipe import RunConfig
+    from minirsi.run.config import RunConfig
 
     cfg = load_config(RunConfig, config)
     assert cfg.base.model in KNOWN_SHAPES and cfg.device == "cuda"
@@ -169,7 +169,7 @@ def test_scale_configs_load_and_fit(config):
 def test_accelerate_yamls_hold_only_what_minirsi_reads(path):
     """Every fsdp_config key is one accelerate turns into a variable minirsi reads (or its
     version); the activation checkpointing agrees with the run config the file is for."""
-    from minirsi.run.recipe import RunConfig
+    from minirsi.run.config import RunConfig
 
     data = yaml.safe_load(path.read_text())
     fsdp = data["fsdp_config"]

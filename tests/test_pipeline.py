@@ -8,6 +8,7 @@ their paired difference.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -22,8 +23,9 @@ import pytest
 
 from minirsi.config import ConfigError, load_config
 from minirsi.run import recipe, rundir, stages
-from minirsi.run.recipe import RunConfig, plan
-from minirsi.run.rundir import RunDir, RunError
+from minirsi.run.config import RunConfig
+from minirsi.run.recipe import plan
+from minirsi.run.rundir import RunDir, RunError, stage_seed
 
 REPO = Path(__file__).resolve().parents[1]
 SUITES = ["core", "hard", "long", "unseen"]
@@ -130,14 +132,17 @@ def test_presets_load(name):
 
 @pytest.mark.parametrize("name", ["toy-cpu", "smoke", "gpu-small"])
 def test_the_warmup_trains_on_the_discount_of_the_rpr_stage_it_precedes(name):
+    def warmup_of(cfg):
+        return {s.name: s for s in plan(cfg)}["warmup"].config
+
     cfg = load_config(RunConfig, recipe.resolve_preset(name))
-    warm = cfg.finished_warmup()
+    warm = warmup_of(cfg)
     assert (warm.gamma_turn, warm.lam_turn) == (cfg.rpr1.gamma_turn, cfg.rpr1.lam_turn)
     assert cfg.warmup.gamma_turn is None and cfg.warmup.lam_turn is None  # set once, in rpr1
     other = load_config(RunConfig, recipe.resolve_preset(name), ["rpr1.gamma_turn=0.7", "rpr1.lam_turn=0.8"])
-    assert (other.finished_warmup().gamma_turn, other.finished_warmup().lam_turn) == (0.7, 0.8)
+    assert (warmup_of(other).gamma_turn, warmup_of(other).lam_turn) == (0.7, 0.8)
     same = load_config(RunConfig, recipe.resolve_preset(name), [f"warmup.gamma_turn={cfg.rpr1.gamma_turn}"])
-    assert same.finished_warmup().gamma_turn == cfg.rpr1.gamma_turn  # an explicit equal value is accepted
+    assert warmup_of(same).gamma_turn == cfg.rpr1.gamma_turn  # an explicit equal value is accepted
 
 
 def test_gpu_preset_names_a_real_model_and_cuda():
@@ -167,7 +172,7 @@ def test_plan_wires_actor_and_critic_as_the_paper_does():
     assert stages["rsr2"].critic_from == "rpr1"  # passes through untouched
     assert (stages["rpr2"].actor_from, stages["rpr2"].critic_from) == ("rsr2", "rsr2")
     assert (stages["direct_ppo"].actor_from, stages["direct_ppo"].critic_from) == ("base", None)
-    assert stages["direct_ppo"].config_key == "rpr1"  # same steps and learning rates as RPR-1
+    assert differences(stages["direct_ppo"].config, stages["rpr1"].config) == {"seed"}  # RPR-1's steps and lrs
     assert (stages["rpr1_cont"].actor_from, stages["rpr1_cont"].extra_steps) == ("rpr1", 5)
     assert not stages["direct_ppo"].retained and stages["rpr2"].retained
 
@@ -176,12 +181,39 @@ def test_the_ablations_change_one_thing_each():
     stages = {s.name: s for s in plan(small_cfg("baselines.critic_reset=true", "baselines.token_gae=true"))}
     reset, token = stages["rpr2_critic_reset"], stages["rpr1_token_gae"]
     # critic reset: RPR-2's actor and config, a fresh critic instead of the inherited one
-    assert (reset.actor_from, reset.critic_from, reset.config_key, reset.overrides) == ("rsr2", None, "rpr2", ())
+    assert (reset.actor_from, reset.critic_from) == ("rsr2", None)
+    assert differences(reset.config, stages["rpr2"].config) == {"seed"}
     # per-token GAE: RPR-1's actor, critic and config, only the advantage estimator differs
-    assert (token.actor_from, token.critic_from, token.config_key) == ("rsr1", "warmup", "rpr1")
-    assert token.overrides == (("advantage", "token_gae"),)
+    assert (token.actor_from, token.critic_from) == ("rsr1", "warmup")
+    assert differences(token.config, stages["rpr1"].config) == {"seed", "advantage"}
+    assert (token.config.advantage, stages["rpr1"].config.advantage) == ("token_gae", "tb_gae")
     assert not reset.retained and not token.retained
     assert "rpr2_critic_reset" not in {s.name for s in plan(small_cfg())}  # off by default
+
+
+def differences(a, b) -> set[str]:
+    """The fields in which two stage configs differ."""
+    a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+    return {k for k in a if a[k] != b[k]}
+
+
+def test_plan_hands_every_stage_its_finished_config():
+    cfg = small_cfg("baselines.continue_rpr1=5", "baselines.critic_reset=true", "baselines.token_gae=true")
+    stages = {s.name: s for s in plan(cfg)}
+    assert stages["base"].config is None
+    for name in ("rsr1", "warmup", "rpr1", "rsr2", "rpr2"):  # the retained stages: their own section of cfg
+        assert differences(stages[name].config, getattr(cfg, name)) <= {"seed", "gamma_turn", "lam_turn", "tis_cap"}
+    for s in stages.values():  # each stage seeds its RNGs from (run seed, its name): no two alike
+        if s.config is not None:
+            assert s.config.seed == stage_seed(cfg.seed, s.name)
+    assert len({s.config.seed for s in stages.values() if s.config is not None}) == len(stages) - 1
+    # no servers: the truncated importance weights are off (tis_cap auto), a number in every RPR stage
+    assert all(s.config.tis_cap == 0.0 for s in stages.values() if s.kind == "rpr")
+    # a continuation: RPR-1's config for 5 more steps, no second calibration, its steps going on
+    cont, rpr1 = stages["rpr1_cont"], stages["rpr1"].config
+    assert differences(cont.config, rpr1) == {"seed", "steps", "critic_calibration_updates"}
+    assert (cont.config.steps, cont.config.critic_calibration_updates) == (5, 0)
+    assert cont.step_offset == rpr1.critic_calibration_updates + rpr1.steps
 
 
 # -------------------------------------------------------------------------------- a full run

@@ -136,7 +136,7 @@ def test_the_shipped_base_is_what_the_presets_pretrain():
     and the config saved beside it hashes to the same value."""
     from minirsi.run import stages
     from minirsi.run.pretrain import config_hash
-    from minirsi.run.recipe import RunConfig, resolve_preset
+    from minirsi.run.config import RunConfig, resolve_preset
 
     m = json.loads((stages.SHIPPED_BASE / "pretrain_metrics.json").read_text())
     saved = load_config(PretrainConfig, stages.SHIPPED_BASE / "pretrain_config.yaml")

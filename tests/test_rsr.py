@@ -197,7 +197,7 @@ def test_config_rejects_bad_values():
 
 def test_the_run_config_rejects_an_unknown_replay_backend():
     """RSRConfig (core) does not know the sandbox backends; the run config checks rsr1's and rsr2's."""
-    from minirsi.run.recipe import RunConfig
+    from minirsi.run.config import RunConfig
 
     RunConfig(rsr1=RSRConfig(backend="docker"))
     with pytest.raises(ValueError, match=r"RSRConfig.backend='podman': use one of \('bwrap', 'docker'\)"):

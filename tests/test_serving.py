@@ -8,6 +8,7 @@ ones start real ``minirsi serve`` processes (loopback, port 0) and always stop t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -657,6 +658,7 @@ def _rpr_on_servers(tmp_path, servers, policy):
     on ``servers``; returns (config, run dir, stage list, episodes per step)."""
     from minirsi.config import load_config
     from minirsi.run import recipe
+    from minirsi.run.config import RunConfig
     from minirsi.run.rundir import StageSpec
 
     overrides = [
@@ -665,9 +667,11 @@ def _rpr_on_servers(tmp_path, servers, policy):
         "rollout.max_turns=2", "rollout.max_new_tokens=16", "rollout.command_timeout=5", "rollout.concurrency=2",
         "rpr1.steps=2", "rpr1.critic_calibration_updates=1", "rpr1.episodes_per_step=6", "rpr1.minibatch_size=6",
     ]
+    cfg = load_config(RunConfig, None, overrides)
+    rpr1 = {s.name: s for s in recipe.plan(cfg)}["rpr1"]  # its finished config (seed, tis_cap on: servers sample)
     plan = [StageSpec(0, "base", "base", "Base", evaluate=False),
-            StageSpec(1, "rpr1", "rpr", "RPR-1", actor_from="base", config_key="rpr1", evaluate=False)]
-    return load_config(recipe.RunConfig, None, overrides), tmp_path / "run", plan, 6
+            dataclasses.replace(rpr1, index=1, actor_from="base", critic_from=None, evaluate=False)]
+    return cfg, tmp_path / "run", plan, 6
 
 
 def _steps_of(cfg, run_dir, per_step):

@@ -28,6 +28,7 @@ from pathlib import Path
 os.environ.setdefault("TQDM_DISABLE", "1")  # fewer progress bars (those that do not set `disable` themselves)
 from minirsi.config import load_config  # noqa: E402
 from minirsi.run import recipe, report  # noqa: E402
+from minirsi.run.config import RunConfig  # noqa: E402
 
 logging.basicConfig(level=logging.WARNING)  # the driver logs every stage at INFO
 OVERRIDES = [
@@ -48,7 +49,7 @@ OVERRIDES = [
     "eval.k=3", "eval.suites=[core,long]", "eval.rollout.max_turns=2", "eval.rollout.max_new_tokens=24",
     "eval.rollout.command_timeout=10",
 ]
-cfg = load_config(recipe.RunConfig, None, OVERRIDES)
+cfg = load_config(RunConfig, None, OVERRIDES)
 
 # 1. The plan: which stage starts from which actor and which critic.
 print("1. the stage plan")
@@ -58,6 +59,13 @@ for s in stages:
 assert [s.name for s in stages] == ["base", "rsr1", "warmup", "rpr1", "rsr2", "rpr2"]
 assert {s.name: s.critic_from for s in stages} == {"base": None, "rsr1": None, "warmup": None, "rpr1": "warmup",
                                                    "rsr2": "rpr1", "rpr2": "rsr2"}
+# Each stage carries its finished config: its own seed, and the warm-up's discount is RPR-1's,
+# since the critic it trains is the baseline of RPR-1's returns.
+by_name = {s.name: s for s in stages}
+warm = by_name["warmup"].config
+print(f"   warm-up: gamma_turn {warm.gamma_turn}, lam_turn {warm.lam_turn} (RPR-1's); seeds "
+      + ", ".join(f"{s.name} {s.config.seed}" for s in stages if s.config is not None))
+assert (warm.gamma_turn, warm.lam_turn) == (by_name["rpr1"].config.gamma_turn, by_name["rpr1"].config.lam_turn)
 
 # 2. The run: every stage trains, is checkpointed, then evaluated (the warm-up only trains).
 run_dir = Path(tempfile.mkdtemp(prefix="minirsi-tutorial-")) / "tiny"

@@ -42,7 +42,6 @@ import dataclasses
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -50,26 +49,17 @@ from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
 from minirsi.config import ConfigError, load_config
-from minirsi.core import distributed, fdr
+from minirsi.core import distributed
 from minirsi.core.critic import WarmupConfig
 from minirsi.core.rpr import RPRConfig
 from minirsi.core.rsr import RSRConfig
-from minirsi.engine.models import LoraRecipe
-from minirsi.engine.rollout import RolloutConfig
-from minirsi.engine.weight_sync import ServingConfig
-from minirsi.env.sandbox import BACKENDS
 from minirsi.run import memplan, report
-from minirsi.run.memplan import ScaleConfig
-from minirsi.run.rundir import RunError, Runner, StageSpec, run_stages
+from minirsi.run.config import RunConfig, resolve_preset
+from minirsi.run.rundir import RunError, Runner, StageSpec, run_stages, stage_seed
 from minirsi.run.runlock import RunDirBusy
-from minirsi.run.stages import SUITES, BaseConfig, RecipeRunner, SuitesConfig
+from minirsi.run.stages import RecipeRunner
 
 logger = logging.getLogger(__name__)
-
-PRESETS_DIR = Path(__file__).parents[1] / "presets"
-EVALUATED = ("base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr2_critic_reset", "rpr1_token_gae",
-             "rpr1_cont", "rpr2_cont")
-"""Stages that can be evaluated (the warm-up trains only the critic)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,60 +69,74 @@ EVALUATED = ("base", "rsr1", "rpr1", "rsr2", "rpr2", "direct_ppo", "rpr2_critic_
 
 def plan(cfg: RunConfig) -> list[StageSpec]:
     """The ordered stages of a run: the paper's five retained stages, then the baselines. Each
-    name is a handle on the stage's checkpoint (``rundir``: its actor/ and critic/)."""
-    s = _Stages()
+    name is a handle on the stage's checkpoint (``rundir``: its actor/ and critic/), and each
+    stage carries its finished config: the stage runs exactly that, and reads nothing else of
+    ``cfg`` for its training."""
+    s = _Stages(cfg)
     base = s.base()
-    rsr1 = s.rsr("rsr1", actor=base)                  # actor = rsr(actor)
-    warmup = s.warmup(actor=rsr1)                     # critic = warmup(actor)
-    rpr1 = s.rpr("rpr1", actor=rsr1, critic=warmup)   # rpr(actor, critic)
-    rsr2 = s.rsr("rsr2", actor=rpr1, critic=rpr1)     # rsr(actor): the critic passes through untouched
-    rpr2 = s.rpr("rpr2", actor=rsr2, critic=rsr2)     # rpr(actor, critic): RPR-1's critic, inherited
+    rsr1 = s.rsr("rsr1", cfg.rsr1, actor=base)                   # actor = rsr(actor)
+    warmup = s.warmup(cfg.warmup, actor=rsr1, serves=cfg.rpr1)   # critic = warmup(actor), on RPR-1's returns
+    rpr1 = s.rpr("rpr1", cfg.rpr1, actor=rsr1, critic=warmup)    # rpr(actor, critic)
+    rsr2 = s.rsr("rsr2", cfg.rsr2, actor=rpr1, critic=rpr1)      # rsr(actor): the critic passes through untouched
+    rpr2 = s.rpr("rpr2", cfg.rpr2, actor=rsr2, critic=rsr2)      # rpr(actor, critic): RPR-1's critic, inherited
     b = cfg.baselines
     if b.direct_ppo:  # RPR on Base with a fresh critic, RPR-1's config and steps
-        s.baseline("direct_ppo", "Direct PPO", actor=base, config_key="rpr1")
+        s.rpr("direct_ppo", cfg.rpr1, actor=base, label="Direct PPO")
     if b.critic_reset:  # RPR-2 with a fresh critic instead of the inherited one
-        s.baseline("rpr2_critic_reset", "RPR-2, critic reset", actor=rsr2, config_key="rpr2")
-    if b.token_gae:  # RPR-1 with per-token GAE instead of TB-GAE
-        s.baseline("rpr1_token_gae", "RPR-1, per-token GAE", actor=rsr1, critic=warmup, config_key="rpr1",
-                   overrides=(("advantage", "token_gae"),))
-    for src, extra in ((rpr1, b.continue_rpr1), (rpr2, b.continue_rpr2)):
+        s.rpr("rpr2_critic_reset", cfg.rpr2, actor=rsr2, label="RPR-2, critic reset")
+    if b.token_gae:  # RPR-1 with per-token GAE instead of TB-GAE: the ablation's one change
+        s.rpr("rpr1_token_gae", dataclasses.replace(cfg.rpr1, advantage="token_gae"), actor=rsr1, critic=warmup,
+              label="RPR-1, per-token GAE")
+    for src, phase, extra in ((rpr1, cfg.rpr1, b.continue_rpr1), (rpr2, cfg.rpr2, b.continue_rpr2)):
         if extra > 0:  # the same phase run longer: its optimizer and RNG state go on
-            steps = getattr(cfg, src).steps + extra
-            s.baseline(f"{src}_cont", f"{src.upper()[:3]}-{src[-1]} to step {steps}", actor=src, critic=src,
-                       config_key=src, extra_steps=extra)
+            s.continuation(src, phase, extra)
     if cfg.eval.stages:
         return [dataclasses.replace(x, evaluate=x.evaluate and x.name in cfg.eval.stages) for x in s.stages]
     return s.stages
 
 
 class _Stages:
-    """The stage list as ``plan`` writes it: each call appends a stage and returns its name,
-    the handle later stages start from. Only the five retained stages have their own config
-    (``RunConfig.<name>``); a baseline names the one it borrows."""
+    """The stage list as ``plan`` writes it: each call appends a stage with its finished config
+    and returns its name, the handle later stages start from."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
         self.stages: list[StageSpec] = []
 
-    def _add(self, name: str, kind: str, label: str, **spec: Any) -> str:
-        spec.setdefault("config_key", name)
-        self.stages.append(StageSpec(len(self.stages), name, kind, label, **spec))
+    def _add(self, name: str, kind: str, label: str, config: Any, **spec: Any) -> str:
+        if config is not None:  # each stage seeds its own RNGs from (run seed, stage name)
+            config = dataclasses.replace(config, seed=stage_seed(self.cfg.seed, name))
+        self.stages.append(StageSpec(len(self.stages), name, kind, label, config=config, **spec))
         return name
 
     def base(self) -> str:
-        return self._add("base", "base", "Base")
+        return self._add("base", "base", "Base", None)
 
-    def rsr(self, name: str, actor: str, critic: str | None = None) -> str:
-        return self._add(name, "rsr", f"RSR-{name[-1]}", actor_from=actor, critic_from=critic)
+    def rsr(self, name: str, config: RSRConfig, actor: str, critic: str | None = None) -> str:
+        return self._add(name, "rsr", f"RSR-{name[-1]}", config, actor_from=actor, critic_from=critic)
 
-    def warmup(self, actor: str) -> str:
-        return self._add("warmup", "warmup", "Warm-up critic", actor_from=actor, retained=False, evaluate=False)
+    def warmup(self, config: WarmupConfig, actor: str, serves: RPRConfig) -> str:
+        """The critic warm-up, its returns discounted as those of the RPR phase it ``serves``."""
+        config = dataclasses.replace(config, gamma_turn=serves.gamma_turn, lam_turn=serves.lam_turn)
+        return self._add("warmup", "warmup", "Warm-up critic", config, actor_from=actor, retained=False,
+                         evaluate=False)
 
-    def rpr(self, name: str, actor: str, critic: str | None = None) -> str:
-        return self._add(name, "rpr", f"RPR-{name[-1]}", actor_from=actor, critic_from=critic)
+    def rpr(self, name: str, config: RPRConfig, actor: str, critic: str | None = None, label: str = "",
+            **spec: Any) -> str:
+        """An RPR phase; with a ``label``, a baseline branch beside the retained stages (critic
+        None: a fresh one)."""
+        if config.tis_cap is None:  # auto: on when another engine samples (rpr.py's docstring)
+            config = dataclasses.replace(config, tis_cap=2.0 if self.cfg.serving.servers else 0.0)
+        return self._add(name, "rpr", label or f"RPR-{name[-1]}", config, actor_from=actor, critic_from=critic,
+                         retained=not label, **spec)
 
-    def baseline(self, name: str, label: str, actor: str, critic: str | None = None, **spec: Any) -> str:
-        """An RPR branch beside the retained stages (critic None: a fresh one)."""
-        return self._add(name, "rpr", label, actor_from=actor, critic_from=critic, retained=False, **spec)
+    def continuation(self, src: str, phase: RPRConfig, extra: int) -> str:
+        """RPR phase ``src`` run ``extra`` steps longer, from its actor, critic, optimizer and RNG
+        state (no second calibration); its metrics' steps go on from the source's."""
+        config = dataclasses.replace(phase, steps=extra, critic_calibration_updates=0)
+        label = f"{src.upper()[:3]}-{src[-1]} to step {phase.steps + extra}"
+        return self.rpr(f"{src}_cont", config, actor=src, critic=src, label=label, extra_steps=extra,
+                        step_offset=phase.critic_calibration_updates + phase.steps)
 
 
 def run(cfg: RunConfig, run_dir: str | Path, runner: Runner | None = None, resume: bool = False,
@@ -153,125 +157,6 @@ def run(cfg: RunConfig, run_dir: str | Path, runner: Runner | None = None, resum
 # ----------------------------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class BaselinesConfig:
-    """Branches recorded beside the retained stages (never discarded)."""
-
-    direct_ppo: bool = True
-    """Direct PPO: RPR from Base with a fresh critic, RPR-1's config and number of steps."""
-    critic_reset: bool = False
-    """Ablation: RPR-2 from RSR-2 with a fresh critic (built from the actor, zero head) instead of
-    the inherited one; RPR-2's config and steps."""
-    token_gae: bool = False
-    """Ablation: RPR-1 from RSR-1 and the warmed-up critic with plain per-token GAE instead of
-    TB-GAE (``RPRConfig.advantage = "token_gae"``); RPR-1's config and steps."""
-    continue_rpr1: int = 0
-    """Extra RPR steps for a continuation branch of RPR-1 (0: no branch)."""
-    continue_rpr2: int = 0
-    """Extra RPR steps for a continuation branch of RPR-2 (0: no branch)."""
-
-    def __post_init__(self) -> None:
-        for name in ("continue_rpr1", "continue_rpr2"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"baselines.{name}={getattr(self, name)}: use 0 (no branch) or a step count")
-
-
-@dataclass
-class EvalConfig:
-    """Mean@k evaluation of every stage."""
-
-    suites: list[str] = field(default_factory=lambda: ["core", "hard", "long", "unseen"])
-    """Suites every stage is evaluated on."""
-    k: int = 3
-    """Attempts per task (Mean@3 in the paper)."""
-    stages: list[str] = field(default_factory=list)
-    """Stages to evaluate (names as in results.json); empty: every stage (the recipe's default;
-    the CI smoke preset evaluates only Base and the final stage to fit its budget)."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Turn limit, temperature, concurrency of evaluation episodes."""
-
-    def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ValueError(f"eval.k={self.k}: Mean@k needs k >= 1, e.g. eval.k=3")
-        bad = [s for s in self.stages if s not in EVALUATED]
-        if bad:
-            raise ValueError(f"eval.stages has {bad}; choose from {list(EVALUATED)} (or [] for all)")
-        bad = [s for s in self.suites if s not in SUITES or s == "train"]
-        if bad:
-            raise ValueError(f"eval.suites has {bad}; choose from {[s for s in SUITES if s != 'train']}")
-        if not self.suites:
-            raise ValueError("eval.suites is empty; name at least one, e.g. eval.suites=[core]")
-
-
-@dataclass
-class RunConfig:
-    """The whole recipe. Every field can be set in a preset YAML or as ``key=value``."""
-
-    seed: int = 0
-    """Run seed: each stage seeds its RNGs from (seed, stage name)."""
-    device: str = "cpu"
-    """Where models train and sample: cpu or cuda."""
-    threads: int = 0
-    """torch CPU threads (0: torch's default)."""
-    suites: SuitesConfig = field(default_factory=SuitesConfig)
-    base: BaseConfig = field(default_factory=BaseConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Training rollouts (warm-up); RSR and RPR configs carry their own sampling settings."""
-    rsr1: RSRConfig = field(default_factory=RSRConfig)
-    warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    rpr1: RPRConfig = field(default_factory=RPRConfig)
-    rsr2: RSRConfig = field(default_factory=RSRConfig)
-    rpr2: RPRConfig = field(default_factory=RPRConfig)
-    baselines: BaselinesConfig = field(default_factory=BaselinesConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    serving: ServingConfig = field(default_factory=ServingConfig)
-    fdr_quantile: float = 0.9
-    """Calibration: D_f is this quantile of the check counts C of family f's training tasks."""
-    fdr_fallback: float = 82.0
-    """D_f of a family with no calibration task (the paper's 82)."""
-    lora: LoraRecipe = field(default_factory=LoraRecipe)
-    """LoRA adapters for actor training (off by default: full fine-tuning)."""
-    scale: ScaleConfig = field(default_factory=ScaleConfig)
-    """The GPUs a sharded run is planned for; a run the planner says will not fit is refused."""
-
-    def __post_init__(self) -> None:
-        for key in ("rsr1", "rsr2"):  # core's RSRConfig does not know the sandbox backends
-            backend = getattr(self, key).backend
-            if backend not in BACKENDS:
-                raise ValueError(f"RSRConfig.backend={backend!r}: use one of {BACKENDS}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device='{self.device}': use cpu, cuda or cuda:N")
-        if self.threads < 0:
-            raise ValueError(f"threads={self.threads}: use 0 (torch default) or a positive count")
-        for name in ("gamma_turn", "lam_turn"):  # the warm-up's returns are RPR-1's (plan() hands them on)
-            mine, rpr1 = getattr(self.warmup, name), getattr(self.rpr1, name)
-            if mine is not None and mine != rpr1:
-                raise ValueError(f"warmup.{name}={mine} but rpr1.{name}={rpr1}: the warm-up trains the critic on "
-                                 f"RPR-1's returns; drop warmup.{name} (it is taken from rpr1)")
-        fdr.check_quantile(self.fdr_quantile, "fdr_quantile")  # fdr.py holds the valid ranges
-        fdr.check_scale(self.fdr_fallback, "fdr_fallback")
-
-
-    def finished_warmup(self) -> WarmupConfig:
-        """The warm-up's config as the stage runs it: its discount is RPR-1's, whose returns the
-        critic will be the baseline of."""
-        return dataclasses.replace(self.warmup, gamma_turn=self.rpr1.gamma_turn, lam_turn=self.rpr1.lam_turn)
-
-
-def resolve_preset(name_or_path: str) -> Path:
-    """A preset name (``toy-cpu``) or a YAML path -> the YAML path."""
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.is_file():
-            raise ConfigError(f"preset file {p} not found")
-        return p
-    p = PRESETS_DIR / f"{name_or_path}.yaml"
-    if not p.is_file():
-        names = sorted(q.stem for q in PRESETS_DIR.glob("*.yaml"))
-        raise ConfigError(f"unknown preset '{name_or_path}'; choose one of {names} or pass a YAML path")
-    return p
 
 
 def check_plan(cfg: RunConfig, world_size: int = 1) -> Any:

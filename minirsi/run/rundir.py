@@ -56,9 +56,9 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -67,10 +67,8 @@ from tqdm import tqdm
 from minirsi.config import ConfigError, load_config, save_config, to_dict
 from minirsi.core import distributed
 from minirsi.core.atomic import atomic_write_json, atomic_write_text
+from minirsi.run.config import RunConfig
 from minirsi.run.runlock import LOCK_NAME, RunLock
-
-if TYPE_CHECKING:  # recipe.py imports this module; the config's type is a hint here
-    from minirsi.run.recipe import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +93,14 @@ class StageSpec:
     """Stage whose actor this stage starts from."""
     critic_from: str | None = None
     """Stage whose critic this stage starts from (None: a fresh critic where one is needed)."""
-    config_key: str = ""
-    """Attribute of RunConfig holding this stage's config (rsr1, rpr1, ...)."""
+    config: Any = field(default=None, hash=False)
+    """The stage's finished config (``RSRConfig``, ``WarmupConfig`` or ``RPRConfig``; None for
+    Base), as ``recipe.plan`` made it: its seed, the warm-up's discount, an ablation's one change
+    and a continuation's steps are already in it."""
     extra_steps: int = 0
-    """Continuation branches: RPR steps to add to the source stage."""
-    overrides: tuple[tuple[str, Any], ...] = ()
-    """(field, value) pairs replaced in the stage's config (an ablation's one change)."""
+    """Continuation branches: RPR steps added to the source stage (its optimizer and RNG go on)."""
+    step_offset: int = 0
+    """Continuation branches: the source stage's step count, where this stage's metrics go on."""
     retained: bool = True
     """One of the paper's five retained stages (False: a baseline branch)."""
     evaluate: bool = True

@@ -1,8 +1,9 @@
 """What each stage of the recipe computes: Base, RSR, the critic warm-up, RPR, and evaluation.
 
-``recipe.plan`` says which stages run, in which order, from which checkpoints; ``rundir``
-runs them, resumably. ``RecipeRunner.train`` computes one stage from its inputs (checkpoint
-paths) into its output directory:
+``recipe.plan`` says which stages run, in which order, from which checkpoints, each with its
+finished config (``StageSpec.config``); ``rundir`` runs them, resumably. ``RecipeRunner.train``
+computes one stage from its inputs (checkpoint paths) into its output directory, its models
+loaded by ``load_models`` (the same call in one process and under torchrun):
 
     base     pretrain the tiny model (``pretrain``), or load ``base.model``     -> actor/
     rsr      ``rsr.run_rsr`` on the train suite                                -> actor/
@@ -21,13 +22,13 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from minirsi.config import ConfigError
 from minirsi.core import distributed, fdr, rsr
-from minirsi.core.critic import build_critic, load_critic, load_critic_sharded, save_critic, warmup_critic
+from minirsi.core.critic import load_critic_sharded, save_critic, warmup_critic
 from minirsi.core.episode import JsonlWriter, pad_id_of
 from minirsi.core.optim import adamw
 from minirsi.core.rpr import make_optimizers, run_rpr, score
@@ -38,61 +39,11 @@ from minirsi.engine.sampler import HFSampler
 from minirsi.engine.weight_sync import serving_sync, sharded_push
 from minirsi.env.verifier import static_checks
 from minirsi.run.evaluate import evaluate, generate_toy_suites, load_suites
+from minirsi.run.config import RunConfig
 from minirsi.run.pretrain import PretrainConfig, config_hash, pretrain
 from minirsi.run.rundir import RunDir, StageInputs, StageSpec, stage_seed
 
-if TYPE_CHECKING:  # recipe.py imports this module; RunConfig is a type hint here
-    from minirsi.run.recipe import RunConfig
-
 logger = logging.getLogger(__name__)
-
-SUITES = ("train", "core", "hard", "long", "unseen")
-"""The toy suites: ``train`` is the training pool, the others are held out."""
-
-
-@dataclass
-class SuitesConfig:
-    """Where the tasks come from."""
-
-    root: str = ""
-    """A directory with one folder per suite (``train/``, ``core/``, ...); "" generates the toy
-    suites into ``RUN_DIR/tasks``."""
-    seed: int = 0
-    """Seed of the toy suite generator (held-out instances differ from the training pool)."""
-    train: int = 48
-    """Training-pool tasks (RSR sampling, warm-up, RPR rollouts; FDR calibration)."""
-    core: int = 24
-    """Held-out instances of the training families: the suite the targets are measured on."""
-    hard: int = 8
-    """Harder variants of the training families."""
-    long: int = 6
-    """Long-horizon tasks with many checks (process reward and strict completion)."""
-    unseen: int = 8
-    """Families never used in training."""
-
-    def __post_init__(self) -> None:
-        for name in SUITES:
-            if getattr(self, name) < 1:
-                raise ValueError(f"suites.{name}={getattr(self, name)}: a suite needs at least 1 task")
-
-    def size(self, suite: str) -> int:
-        return int(getattr(self, suite))
-
-
-@dataclass
-class BaseConfig:
-    """Stage 0: the Base model."""
-
-    model: str = ""
-    """A Hugging Face name or checkpoint directory to start from; "" pretrains the tiny model
-    with ``pretrain`` (``minirsi pretrain``)."""
-    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
-    """Pretraining of the tiny Base model (used when ``model`` is "")."""
-    cache_dir: str = ""
-    """When set, a pretrained Base is kept in ``cache_dir/<hash of the pretrain config>/`` and
-    reused by later runs with the same pretrain config (the smoke preset sets it, so CI
-    pretrains once); "" pretrains in every run."""
-
 
 def count_checks(task: Any) -> int:
     """C of a task without running it: its non-hygiene checks as ``verifier.static_checks`` reads
@@ -132,6 +83,50 @@ def base_cache_path(cfg: RunConfig) -> Path | None:
     if not cfg.base.cache_dir:
         return None
     return Path(cfg.base.cache_dir).expanduser() / f"base-{config_hash(cfg.base.pretrain)}"
+
+
+@dataclass
+class StageModels:
+    """What ``load_models`` gives a stage (None where it asked for nothing)."""
+
+    actor: Any
+    tokenizer: Any
+    critic: Any = None
+    reference: Any = None
+    """The KL reference: a frozen copy of the actor (None with LoRA: the actor, adapters off)."""
+
+    def release(self, world: distributed.World) -> None:
+        """Forget rank 0's unsharded copies (``World.release``) at the stage's end."""
+        world.release(*(m for m in (self.actor, self.critic, self.reference) if m is not None))
+
+
+def load_models(cfg: RunConfig, actor: Path | None = None, critic: Path | None = None, *, trains: bool = False,
+                reference: bool = False, keep_unsharded: bool = True) -> StageModels:
+    """A stage's models, at any world size: ``from_pretrained`` on ``cfg.device`` in one process;
+    under torchrun, rank 0 reads each checkpoint and every rank keeps its FSDP2 shards
+    (``World.load_sharded``), so no rank holds a model whole on a device.
+
+    Args:
+        actor: the actor checkpoint; trained when ``trains`` (fresh LoRA adapters when
+            ``lora.enabled``), else frozen (eval mode, no gradients: sampling, evaluation).
+        critic: a saved critic/ directory, or an actor checkpoint to build a fresh critic from
+            (its backbone, a zero value head).
+        reference: also a frozen copy of ``actor`` as the KL reference (none with LoRA, whose
+            reference is the actor with its adapters disabled).
+        keep_unsharded: sharded, rank 0 keeps an unsharded host copy of the actor for
+            in-process sampling; False when servers sample (each push gathers one).
+    """
+    world = distributed.current()
+    model, tok, crit, ref = None, None, None, None
+    if actor is not None:
+        lora = cfg.lora if trains and cfg.lora.enabled else None
+        model, tok = load_actor_sharded(actor, world, lora=lora, device=cfg.device, keep_unsharded=keep_unsharded,
+                                        frozen=not trains)
+        if reference and not cfg.lora.enabled:
+            ref, _ = load_actor_sharded(actor, world, device=cfg.device, keep_unsharded=False, frozen=True)
+    if critic is not None:
+        crit = load_critic_sharded(critic, world, device=cfg.device)
+    return StageModels(model, tok, crit, ref)
 
 
 class RecipeRunner:
@@ -231,10 +226,10 @@ class RecipeRunner:
 
     def _rsr(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
              log: Callable[[int, dict], None]) -> dict:
-        world = distributed.current()
+        world, stage_cfg = distributed.current(), spec.config
         sync = self._servers(cfg, run_)
-        actor, tok = self._actor(cfg, inputs.actor, keep_unsharded=sync is None)
-        stage_cfg = dataclasses.replace(getattr(cfg, spec.config_key), seed=stage_seed(cfg.seed, spec.name))
+        m = load_models(cfg, inputs.actor, trains=True, keep_unsharded=sync is None)
+        actor, tok = m.actor, m.tokenizer
         optimizer = rsr.make_optimizer(actor, stage_cfg)
         planner_sampler = None
         if sync is not None:  # the servers sample the rollouts and the LLM planner, on this stage's actor
@@ -249,7 +244,7 @@ class RecipeRunner:
                                 planner_sampler=planner_sampler, sampler_factory=HFSampler)
         self._save_actor(cfg, actor, tok, out)
         world.save_optimizers(run_.stage(spec), {"actor": (actor, optimizer)})
-        world.release(actor)
+        m.release(world)
         out_stats = stats.to_dict()
         (out / "rewrites.json").write_text(json.dumps(out_stats.pop("kept"), indent=1) + "\n")
         return out_stats
@@ -263,14 +258,6 @@ class RecipeRunner:
         return make_rollout_fn(tok, rcfg, None if sync is None else (lambda model, tok_: sync.sampler), journal=journal)
 
     @staticmethod
-    def _actor(cfg: RunConfig, path: Path | None, keep_unsharded: bool = True) -> tuple[Any, Any]:
-        """The stage's actor: loaded, with fresh LoRA adapters when ``lora.enabled``, sharded
-        over the ranks (minirsi.core.distributed; unchanged in one process); rank 0 keeps an
-        unsharded copy only when it samples in-process (``keep_unsharded``)."""
-        return load_actor_sharded(path, distributed.current(), lora=cfg.lora if cfg.lora.enabled else None,
-                                  device=cfg.device, keep_unsharded=keep_unsharded)
-
-    @staticmethod
     def _save_actor(cfg: RunConfig, actor: Any, tok: Any, out: Path) -> None:
         """actor/ (LoRA merged in), and adapter/ alone when ``lora.save_adapter``; gathered to rank 0."""
         def save(plain: Any) -> None:
@@ -282,39 +269,28 @@ class RecipeRunner:
 
     def _warmup(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
                 log: Callable[[int, dict], None]) -> dict:
-        world = distributed.current()
-        seed = stage_seed(cfg.seed, spec.name)
-        pool = rsr.sample_tasks(self.tasks(cfg, run_, "train"), cfg.warmup.tasks, seed)
-        tasks = [t for t in pool for _ in range(cfg.warmup.samples_per_task)]
-        rcfg = dataclasses.replace(cfg.rollout, seed=seed)
+        world, wcfg = distributed.current(), spec.config
+        pool = rsr.sample_tasks(self.tasks(cfg, run_, "train"), wcfg.tasks, wcfg.seed)
+        tasks = [t for t in pool for _ in range(wcfg.samples_per_task)]
+        rcfg = dataclasses.replace(cfg.rollout, seed=wcfg.seed)
         sync = self._servers(cfg, run_)
-        if world.size == 1 and sync is None:  # one process: the frozen actor samples in-process (the CPU presets)
-            actor, tok = load_actor(inputs.actor, device=cfg.device)
-            actor.eval().requires_grad_(False)
-            episodes = rollout.collect(tasks, HFSampler(actor, tok), tok, rcfg, out / "episodes.jsonl")
-            critic = build_critic(actor).to(cfg.device)
-            del actor
-        else:
-            # The frozen RSR-1 actor, sharded like every other model (no rank holds it whole on a
-            # device): the servers get its weights, or rank 0 samples from its unsharded host copy.
-            actor, tok = load_actor_sharded(inputs.actor, world, device=cfg.device, keep_unsharded=sync is None,
-                                            frozen=True)
-            if sync is not None:
-                log(0, {"phase": "sync", **sharded_push(world, sync)(actor)})
-            sample = lambda model, _tasks, _seed: rollout.collect(  # noqa: E731
-                tasks, sync.sampler if sync is not None else HFSampler(model, tok), tok, rcfg, out / "episodes.jsonl")
-            episodes = world.rollout_fn(sample, gather=sync is None)(actor, tasks, seed)
-            world.release(actor)
-            del actor
-            critic = load_critic_sharded(inputs.actor, world)  # built from the checkpoint, on rank 0's host
+        # The frozen RSR-1 actor samples: in this process, or on the servers, which get its weights.
+        m = load_models(cfg, inputs.actor, keep_unsharded=sync is None)
+        if sync is not None:
+            log(0, {"phase": "sync", **sharded_push(world, sync)(m.actor)})
+        sample = lambda model, _tasks, _seed: rollout.collect(  # noqa: E731
+            tasks, sync.sampler if sync is not None else HFSampler(model, m.tokenizer), m.tokenizer, rcfg,
+            out / "episodes.jsonl")
+        episodes = world.rollout_fn(sample, gather=sync is None)(m.actor, tasks, wcfg.seed)
+        m.release(world)
+        m.actor = None  # gone before the critic is built: one model at a time
+        critic = load_models(cfg, critic=inputs.actor).critic  # a fresh critic on the actor's backbone
         usable = [e for e in episodes if any(e.action_mask)]
         if not usable:
             raise RuntimeError("warm-up: no rollout produced an action; check the sandbox (minirsi task check)")
-        rewards = score(usable, cfg.warmup.reward, self.scales(run_))
-        # every critic parameter trains; the actor stays frozen
-        optimizer = adamw(critic.parameters(), cfg.warmup.lr_critic)
-        wcfg = dataclasses.replace(cfg.finished_warmup(), seed=seed)
-        evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=pad_id_of(tok),
+        rewards = score(usable, wcfg.reward, self.scales(run_))
+        optimizer = adamw(critic.parameters(), wcfg.lr_critic)  # every critic parameter trains; the actor is frozen
+        evs = warmup_critic(critic, usable, rewards, wcfg, optimizer=optimizer, pad_id=pad_id_of(m.tokenizer),
                             world=world)
         binary = sum(e.success for e in usable) / len(usable)
         for i, ev in enumerate(evs):
@@ -328,26 +304,11 @@ class RecipeRunner:
 
     def _rpr(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, inputs: StageInputs, out: Path,
              log: Callable[[int, dict], None]) -> dict:
-        world = distributed.current()
-        lora = cfg.lora if cfg.lora.enabled else None
-        if world.size > 1:  # rank 0 reads each checkpoint, the other ranks receive their shards
-            # with servers sampling, rank 0 keeps no unsharded actor: each push gathers one
-            actor, tok = load_actor_sharded(inputs.actor, world, lora=lora, keep_unsharded=not cfg.serving.servers)
-            critic = load_critic_sharded(inputs.critic or inputs.actor, world)
-        else:
-            actor, tok = load_actor(inputs.actor, lora=lora, device=cfg.device)
-            critic = (load_critic(inputs.critic) if inputs.critic else build_critic(actor)).to(cfg.device)
-        base_cfg = getattr(cfg, spec.config_key)
-        offset = 0
-        stage_cfg = dataclasses.replace(base_cfg, seed=stage_seed(cfg.seed, spec.name), **dict(spec.overrides))
-        if spec.extra_steps:  # a continuation: the same phase, run longer (no second calibration)
-            offset = base_cfg.critic_calibration_updates + base_cfg.steps
-            stage_cfg = dataclasses.replace(stage_cfg, steps=spec.extra_steps, critic_calibration_updates=0)
-        if stage_cfg.tis_cap is None:  # auto: on when another engine samples (rpr.py's docstring)
-            stage_cfg = dataclasses.replace(stage_cfg, tis_cap=2.0 if cfg.serving.servers else 0.0)
-        ref_model = None  # run_rpr's default (a frozen copy, or the adapter-free LoRA actor) in one process
-        if world.size > 1 and stage_cfg.kl_coef > 0 and not cfg.lora.enabled:  # a sharded frozen copy
-            ref_model, _ = load_actor_sharded(inputs.actor, world, keep_unsharded=False, frozen=True)
+        world, stage_cfg = distributed.current(), spec.config
+        # with servers sampling, rank 0 keeps no unsharded actor: each push gathers one
+        m = load_models(cfg, inputs.actor, inputs.critic or inputs.actor, trains=True,
+                        reference=stage_cfg.kl_coef > 0, keep_unsharded=not cfg.serving.servers)
+        actor, critic, tok = m.actor, m.critic, m.tokenizer
         optimizers = make_optimizers(actor, critic, stage_cfg)
         named = {"actor": (actor, optimizers.actor), "critic": (critic, optimizers.critic)}
         if inputs.optimizer is not None:  # a continuation: its source's optimizer.pt or optimizer/ (any world size)
@@ -356,18 +317,18 @@ class RecipeRunner:
         sync = self._servers(cfg, run_)
         push = sharded_push(world, sync) if sync is not None else None
         if push is not None:
-            log(offset, {"phase": "sync", **push(actor)})  # the servers start from this stage's actor
+            log(spec.step_offset, {"phase": "sync", **push(actor)})  # the servers start from this stage's actor
         with JsonlWriter(out / "episodes.jsonl") as writer:
             sample = self._rollout_fn(cfg, tok, stage_cfg.temperature, sync, journal=run_.journal(spec))
             rollout_fn = world.rollout_fn(_recording(sample, writer),
                                           gather=not cfg.serving.servers)  # servers sample: no gather per rollout
             history = run_rpr(actor, critic, tok, self.tasks(cfg, run_, "train"), stage_cfg, rollout_fn,
-                              self.scales(run_), log_fn=lambda rec: log(offset + int(rec["step"]), rec),
-                              ref_model=ref_model, optimizers=optimizers, after_actor_update=push, world=world)
+                              self.scales(run_), log_fn=lambda rec: log(spec.step_offset + int(rec["step"]), rec),
+                              ref_model=m.reference, optimizers=optimizers, after_actor_update=push, world=world)
         self._save_actor(cfg, actor, tok, out)
         world.save(critic, lambda plain: save_critic(plain, out / "critic"))
         world.save_optimizers(run_.stage(spec), named)
-        world.release(actor, critic, *([ref_model] if ref_model is not None else []))
+        m.release(world)
         joint = [h for h in history if h.get("phase") == "joint"] or history
         last = joint[-min(3, len(joint)):]
         return {"steps": len(history), "final_binary_reward": _avg(h["binary_reward"] for h in last),
@@ -375,10 +336,9 @@ class RecipeRunner:
                 "final_explained_variance": _avg(h["explained_variance"] for h in last)}
 
     def evaluate(self, cfg: RunConfig, run_: RunDir, spec: StageSpec, actor_dir: Path, out: Path) -> dict:
-        """Mean@k of ``actor_dir`` on ``eval.suites``; every rank calls it. In one process without
-        servers, the actor samples in this process (the CPU presets). Otherwise the actor is
-        loaded sharded like a training stage's: pushed to the servers, which sample, or rank 0
-        samples from its unsharded host copy; no rank holds the model whole on a device."""
+        """Mean@k of ``actor_dir`` on ``eval.suites``; every rank calls it. The actor is loaded
+        like a training stage's (``load_models``) and frozen: pushed to the servers, which
+        sample, or rank 0 samples in-process (from its unsharded host copy when sharded)."""
         world, sync = distributed.current(), self._servers(cfg, run_)
         suites = {s: self.tasks(cfg, run_, s) for s in cfg.eval.suites}
         # Every stage is scored with the same seed: common random numbers, so the differences
@@ -386,17 +346,15 @@ class RecipeRunner:
         run_eval = lambda actor, tok, sampler=None: evaluate(  # noqa: E731
             actor, tok, suites, k=cfg.eval.k, rollout_cfg=cfg.eval.rollout, out_dir=out,
             seed=stage_seed(cfg.seed, "eval"), sampler=sampler)
-        if world.size == 1 and sync is None:
-            return run_eval(*load_actor(actor_dir, device=cfg.device))
-        actor, tok = load_actor_sharded(actor_dir, world, device=cfg.device, keep_unsharded=sync is None, frozen=True)
+        m = load_models(cfg, actor_dir, keep_unsharded=sync is None)
         try:
             if sync is not None:
-                sharded_push(world, sync)(actor)
-                return world.on_main(lambda: run_eval(None, tok, sync.sampler))
-            plain = world.unsharded(actor)
-            return world.on_main(lambda: run_eval(plain, tok))
+                sharded_push(world, sync)(m.actor)
+                return world.on_main(lambda: run_eval(None, m.tokenizer, sync.sampler))
+            plain = world.unsharded(m.actor)
+            return world.on_main(lambda: run_eval(plain, m.tokenizer))
         finally:
-            world.release(actor)
+            m.release(world)
 
 
 def _recording(rollout_fn: Callable, writer: Any) -> Callable:
