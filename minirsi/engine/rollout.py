@@ -27,6 +27,8 @@ The loop, one step at a time::
         append observations; episodes that completed / hit a limit go to the verifier
         (verifiers run in a second pool while generation goes on); admit new episodes
 
+``collect`` is this loop; its steps are the methods of ``_Collection``.
+
 An episode stops when the reply says ``TASK_COMPLETE`` ("done"), after ``max_turns`` actions
 ("max_turns"), when the next turn would not fit in ``max_context_tokens`` ("context"), or when
 its commands have used ``episode_timeout`` / the task's ``agent_timeout_sec`` ("timeout"). A
@@ -251,14 +253,214 @@ def collect(
         ValueError: a task whose prompt plus ``max_new_tokens`` exceeds ``max_context_tokens``,
             or a ``finished`` episode whose index or task does not match ``tasks``.
     """
+    finished = _check_finished(tasks, finished)
+    stats = stats if stats is not None else RolloutStats()
+    t_start = time.monotonic()
+    stop_id = actions.special_id(tokenizer, actions.IM_END)
+    prompts = _prompt_ids(tasks, tokenizer, cfg)
+    c = _Collection(tasks, prompts, sampler, tokenizer, cfg, stop_id, out_path, progress, stats, open_sandbox, verify,
+                    finished)
+    try:
+        step = 0
+        while c.has_work():
+            c.admit()  # up to ``concurrency`` live; the new ones' sandboxes start opening
+            c.enforce_time_limits()
+            c.retire()  # stopped episodes go to the verifiers
+            if not c.live:  # every episode has ended (the queue is empty too)
+                c.harvest(block=False)
+                continue
+            samples = c.sample(_step_seed(cfg.seed, step))  # ONE batched call, in ``live`` order
+            step += 1
+            c.await_sandboxes()
+            c.act(samples)  # parse, run all episodes' commands, append observations
+            c.retire()
+            c.harvest(block=False)  # write the episodes verified so far
+        c.drain()
+    finally:
+        c.close()  # also when interrupted: close open sandboxes, verify and write what had ended
+        stats.wall_s = time.monotonic() - t_start
+    episodes = c.episodes()
+    _log_summary(episodes, stats)
+    return episodes
+
+
+class _Collection:
+    """One ``collect`` call's state, with the steps of its loop as methods (in the loop's order).
+
+    ``live``: the running episodes, in the order they were admitted, which is the order of the
+    batch sent to the sampler; ``queue``: indices into ``tasks`` not yet admitted (ascending);
+    ``finishing``: the verifier futures of stopped episodes; ``done``: the finished episodes by
+    index (the ``finished`` ones included). Sandbox opens and commands run in the ``work`` pool,
+    verifiers in the ``fin`` pool, both ``concurrency`` threads wide.
+    """
+
+    def __init__(self, tasks: Sequence[Any], prompts: list[list[int]], sampler: Sampler, tokenizer: Any,
+                 cfg: RolloutConfig, stop_id: int, out_path: str | Path | None, progress: bool, stats: RolloutStats,
+                 open_sandbox: Callable[[Any, str], Any], verify: Callable[[Any, Any], Any],
+                 finished: dict[int, Episode]) -> None:
+        self.tasks, self.prompts, self.sampler, self.tokenizer, self.cfg = tasks, prompts, sampler, tokenizer, cfg
+        self.stop_id, self.stats, self.open_sandbox, self.verify = stop_id, stats, open_sandbox, verify
+        # A sampler's kept KV prefixes (HFSampler) belong to the weights of this collection only.
+        self.clear_cache = getattr(sampler, "clear_cache", lambda: None)
+        self.clear_cache()
+        self.writer = JsonlWriter(out_path) if out_path is not None else None
+        self.work = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-sandbox")
+        self.fin = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-verify")
+        self.queue = deque(i for i in range(len(tasks)) if i not in finished)
+        self.live: list[_Run] = []
+        self.finishing: list[Future] = []
+        self.done: dict[int, Episode] = dict(finished)
+        self.bar = tqdm(total=len(tasks), initial=len(self.done), desc="rollout", unit="ep", disable=not progress)
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.live)
+
+    def admit(self) -> None:
+        """Start queued episodes until ``concurrency`` are live; their sandboxes open in the pool
+        while their first action is sampled (``await_sandboxes`` waits for them)."""
+        n = min(len(self.queue), self.cfg.concurrency - len(self.live))
+        new = [self._start(self.queue.popleft()) for _ in range(n)]
+        if new:
+            # From a helper thread: the pool starts workers lazily and each Thread.start()
+            # blocks its caller until the thread runs, slow on a busy machine (docs/experiments.md).
+            opens = [(r.task, r.opening) for r in new]
+            threading.Thread(target=self._submit_opens, args=(opens,), name="rollout-open", daemon=True).start()
+            self.live += new
+
+    def _start(self, i: int) -> _Run:
+        """Episode ``i``'s run: the prompt ids as its context, its sandbox still to open."""
+        task, prompt = self.tasks[i], self.prompts[i]
+        limit = min(self.cfg.episode_timeout, float(getattr(task, "agent_timeout_sec", None) or math.inf))
+        run = _Run(i, task, list(prompt), time.monotonic(), limit, prompt_len=len(prompt))
+        run.logprobs = [None] * len(run.ids)
+        run.mask = [0] * len(run.ids)
+        run.turn_ids = [0] * len(run.ids)
+        run.opening = Future()
+        return run
+
+    def _submit_opens(self, opens: list[tuple[Any, Future]]) -> None:
+        """Open each task's sandbox in the pool, its outcome into the paired future (the helper
+        thread of ``admit`` runs this; the pairs are taken before, as ``_opened`` clears
+        ``run.opening``)."""
+        for task, dst in opens:
+            try:
+                f = self.work.submit(self.open_sandbox, task, self.cfg.backend)
+            except RuntimeError as e:  # the pool was shut down (an interrupted collection)
+                dst.set_exception(e)
+                continue
+            f.add_done_callback(lambda f, dst=dst: _chain(f, dst))
+
+    def enforce_time_limits(self) -> None:
+        """Stop ("timeout") the episodes whose commands used their time limit: checked between turns."""
+        for run in self.live:
+            if run.turns > 0 and run.remaining() <= 0:
+                run.stop_reason = "timeout"
+
+    def retire(self) -> None:
+        """Move stopped episodes from ``live`` to the verifier pool, which runs while generation goes on."""
+        keep = []
+        for run in self.live:
+            if run.stop_reason is None:
+                keep.append(run)
+            else:
+                self.finishing.append(self.fin.submit(_finish, run, self.verify))
+        self.live[:] = keep
+
+    def sample(self, seed: int | None) -> list[Sample]:
+        """One batched generation: one action per live episode, in ``live`` order."""
+        live, cfg, stats = self.live, self.cfg, self.stats
+        t0, c0 = time.monotonic(), time.thread_time()
+        samples = self.sampler.generate([r.ids for r in live], cfg.max_new_tokens, cfg.temperature, [self.stop_id],
+                                        seed)
+        stats.generate_s += time.monotonic() - t0
+        stats.generate_cpu_s += time.thread_time() - c0
+        stats.steps += 1
+        stats.generated_tokens += sum(len(s.token_ids) for s in samples)
+        if len(samples) != len(live):
+            raise RuntimeError(f"sampler returned {len(samples)} samples for {len(live)} prompts")
+        return samples
+
+    def await_sandboxes(self) -> None:
+        """Wait for new episodes' sandboxes, which opened while the batch was sampled; an episode
+        whose sandbox did not open ends without its first action (never acted)."""
+        t0 = time.monotonic()
+        for run in self.live:
+            _opened(run)
+        self.stats.open_s += time.monotonic() - t0
+
+    def act(self, samples: list[Sample]) -> None:
+        """Append each live episode's action, run its commands, append the observation (or stop it).
+
+        Parsing stays in this thread (tokenizers are not shared across threads); the commands of
+        all episodes run concurrently in the pool, and the step waits for the slowest.
+        """
+        acting = [(r, s) for r, s in zip(self.live, samples) if r.stop_reason is None]
+        plans = [_append_action(r, s, self.tokenizer) for r, s in acting]
+        futures = [self.work.submit(_run_commands, r, p.commands, self.cfg.command_timeout)
+                   for (r, _), p in zip(acting, plans)]
+        t0 = time.monotonic()
+        outcomes = [f.result() for f in futures]
+        self.stats.commands_s += time.monotonic() - t0
+        for (run, sample), plan, results in zip(acting, plans, outcomes):
+            _observe(run, plan, sample, results, self.tokenizer, self.cfg)
+
+    def harvest(self, block: bool) -> None:
+        """Take the verified episodes into ``done`` and the JSONL file (with ``block``, wait for all)."""
+        pending = []
+        for f in self.finishing:
+            if f.cancelled():
+                continue
+            if block or f.done():
+                ep = f.result()
+                self.done[ep.meta["index"]] = ep
+                if self.writer is not None:
+                    self.writer.write(ep)
+                self.bar.update(1)
+            else:
+                pending.append(f)
+        self.finishing = pending
+        if self.done:
+            success = sum(e.success for e in self.done.values()) / len(self.done)
+            self.bar.set_postfix(success=f"{success:.2f}", live=len(self.live))
+
+    def drain(self) -> None:
+        """Wait for the last verifiers (earlier ones overlapped generation)."""
+        t0 = time.monotonic()
+        self.harvest(block=True)
+        self.stats.drain_s += time.monotonic() - t0
+
+    def close(self) -> None:
+        """Finished or interrupted: close what is still open, keep what was written."""
+        for run in self.live:
+            _opened(run)
+            _close(run)
+        self.work.shutdown(wait=False, cancel_futures=True)
+        # Episodes that already ended are verified and written even after an interruption (each
+        # verifier is bounded by its own timeout); a second Ctrl-C stops this wait too.
+        self.fin.shutdown(wait=True)
+        self.harvest(block=False)
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        self.clear_cache()
+
+    def episodes(self) -> list[Episode]:
+        """The finished episodes in the order of ``tasks`` (all of them, unless interrupted)."""
+        return [self.done[i] for i in sorted(self.done)]
+
+
+def _check_finished(tasks: Sequence[Any], finished: dict[int, Episode] | None) -> dict[int, Episode]:
+    """A copy of ``finished``, each episode checked against its task (``collect``'s Raises)."""
     finished = dict(finished or {})
     for i, ep in finished.items():
         if not 0 <= i < len(tasks) or ep.task_id != tasks[i].task_id:
             raise ValueError(f"finished episode {i} ({ep.task_id}) does not match task {i} of this collection "
                              f"({tasks[i].task_id if 0 <= i < len(tasks) else 'out of range'})")
-    stats = stats if stats is not None else RolloutStats()
-    t_start = time.monotonic()
-    stop_id = actions.special_id(tokenizer, actions.IM_END)
+    return finished
+
+
+def _prompt_ids(tasks: Sequence[Any], tokenizer: Any, cfg: RolloutConfig) -> list[list[int]]:
+    """Each task's prompt ids (``actions.render_prompt_ids``); one too long for its first action raises."""
     prompts = [actions.render_prompt_ids(tokenizer, t.instruction) for t in tasks]
     for t, p in zip(tasks, prompts):
         if len(p) + cfg.max_new_tokens > cfg.max_context_tokens:
@@ -266,125 +468,10 @@ def collect(
                 f"task {t.task_id}: prompt is {len(p)} tokens; with max_new_tokens={cfg.max_new_tokens} "
                 f"it exceeds max_context_tokens={cfg.max_context_tokens}; raise max_context_tokens"
             )
+    return prompts
 
-    # A sampler's kept KV prefixes (HFSampler) belong to the weights of this collection only.
-    clear_cache = getattr(sampler, "clear_cache", lambda: None)
-    clear_cache()
-    writer = JsonlWriter(out_path) if out_path is not None else None
-    work = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-sandbox")
-    fin = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="rollout-verify")
-    queue = deque(i for i in range(len(tasks)) if i not in finished)
-    live: list[_Run] = []
-    finishing: list[Future] = []
-    done: dict[int, Episode] = dict(finished)
-    bar = tqdm(total=len(tasks), initial=len(done), desc="rollout", unit="ep", disable=not progress)
 
-    def start(i: int) -> _Run:
-        """A new live episode; its sandbox opens in the pool while its first action is sampled."""
-        task = tasks[i]
-        limit = min(cfg.episode_timeout, float(getattr(task, "agent_timeout_sec", None) or math.inf))
-        run = _Run(i, task, list(prompts[i]), time.monotonic(), limit, prompt_len=len(prompts[i]))
-        run.logprobs = [None] * len(run.ids)
-        run.mask = [0] * len(run.ids)
-        run.turn_ids = [0] * len(run.ids)
-        run.opening = Future()
-        return run
-
-    def submit_opens(opens: list[tuple[Any, Future]]) -> None:
-        """Open each task's sandbox in the pool, its outcome into the paired future (a helper
-        thread runs this, see below; the pairs are taken before, as ``_opened`` clears
-        ``run.opening``)."""
-        for task, dst in opens:
-            try:
-                f = work.submit(open_sandbox, task, cfg.backend)
-            except RuntimeError as e:  # the pool was shut down (an interrupted collection)
-                dst.set_exception(e)
-                continue
-            f.add_done_callback(lambda f, dst=dst: _chain(f, dst))
-
-    def harvest(block: bool) -> None:
-        nonlocal finishing
-        pending = []
-        for f in finishing:
-            if f.cancelled():
-                continue
-            if block or f.done():
-                ep = f.result()
-                done[ep.meta["index"]] = ep
-                if writer is not None:
-                    writer.write(ep)
-                bar.update(1)
-            else:
-                pending.append(f)
-        finishing = pending
-        if done:
-            bar.set_postfix(success=f"{sum(e.success for e in done.values()) / len(done):.2f}", live=len(live))
-
-    try:
-        step = 0
-        while queue or live:
-            admit = [start(queue.popleft()) for _ in range(min(len(queue), cfg.concurrency - len(live)))]
-            if admit:
-                # From a helper thread: the pool starts workers lazily and each Thread.start()
-                # blocks its caller until the thread runs, slow on a busy machine (docs/experiments.md).
-                opens = [(r.task, r.opening) for r in admit]
-                threading.Thread(target=submit_opens, args=(opens,), name="rollout-open", daemon=True).start()
-                live += admit
-            for run in live:  # the time limit is checked between turns
-                if run.turns > 0 and run.remaining() <= 0:
-                    run.stop_reason = "timeout"
-            _retire(live, finishing, fin, verify)
-            if not live:
-                harvest(block=False)
-                continue
-
-            t0, c0 = time.monotonic(), time.thread_time()
-            samples = sampler.generate(
-                [r.ids for r in live], cfg.max_new_tokens, cfg.temperature, [stop_id], _step_seed(cfg.seed, step)
-            )
-            stats.generate_s += time.monotonic() - t0
-            stats.generate_cpu_s += time.thread_time() - c0
-            stats.steps += 1
-            stats.generated_tokens += sum(len(s.token_ids) for s in samples)
-            step += 1
-            if len(samples) != len(live):
-                raise RuntimeError(f"sampler returned {len(samples)} samples for {len(live)} prompts")
-            t0 = time.monotonic()
-            for run in live:  # new episodes: their sandboxes opened while the batch was sampled
-                _opened(run)
-            stats.open_s += time.monotonic() - t0
-            # An episode whose sandbox did not open ends without its first action (never acted).
-            acting = [(r, s) for r, s in zip(live, samples) if r.stop_reason is None]
-
-            # Parse in this thread (tokenizers are not shared across threads), run in the pool.
-            plans = [_append_action(r, s, tokenizer) for r, s in acting]
-            futures = [work.submit(_run_commands, r, p.commands, cfg.command_timeout) for (r, _), p in zip(acting, plans)]
-            t0 = time.monotonic()
-            outcomes = [f.result() for f in futures]
-            stats.commands_s += time.monotonic() - t0
-            for (run, sample), plan, results in zip(acting, plans, outcomes):
-                _observe(run, plan, sample, results, tokenizer, cfg)
-            _retire(live, finishing, fin, verify)
-            harvest(block=False)
-        t0 = time.monotonic()
-        harvest(block=True)
-        stats.drain_s += time.monotonic() - t0
-    finally:
-        for run in live:  # interrupted: close what is still open, keep what was written
-            _opened(run)
-            _close(run)
-        work.shutdown(wait=False, cancel_futures=True)
-        # Episodes that already ended are verified and written even after an interruption (each
-        # verifier is bounded by its own timeout); a second Ctrl-C stops this wait too.
-        fin.shutdown(wait=True)
-        harvest(block=False)
-        bar.close()
-        if writer is not None:
-            writer.close()
-        clear_cache()
-        stats.wall_s = time.monotonic() - t_start
-
-    episodes = [done[i] for i in sorted(done)]
+def _log_summary(episodes: list[Episode], stats: RolloutStats) -> None:
     if episodes:
         logger.info(
             "rollout: %d episodes, success %.3f, mean turns %.2f, parse errors %d, %.1fs (%.0f%% outside generation)",
@@ -395,7 +482,6 @@ def collect(
             stats.wall_s,
             100 * stats.outside_generation,
         )
-    return episodes
 
 
 def finished_in(path: str | Path, tasks: Sequence[Any]) -> dict[int, Episode]:
@@ -424,17 +510,6 @@ def finished_in(path: str | Path, tasks: Sequence[Any]) -> dict[int, Episode]:
     if text and not text.endswith("\n"):
         write_jsonl(episodes, path)  # atomically, without the torn line
     return out
-
-
-def _retire(live: list[_Run], finishing: list[Future], fin: ThreadPoolExecutor, verify: Callable) -> None:
-    """Move stopped runs from ``live`` to the verifier pool (in place)."""
-    keep = []
-    for run in live:
-        if run.stop_reason is None:
-            keep.append(run)
-        else:
-            finishing.append(fin.submit(_finish, run, verify))
-    live[:] = keep
 
 
 def _chain(src: Future, dst: Future) -> None:
