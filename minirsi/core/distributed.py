@@ -540,8 +540,8 @@ def exit_rank(code: int = 0) -> NoReturn:
     """End a process of a multi-process run after it has left the process group (``shutdown``):
     flush stdio and logging, then ``os._exit``. Skipping the interpreter's teardown avoids an
     intermittent abort of a gloo rank at exit ("terminate called without an active exception": a
-    C++ thread destroyed while still joinable), seen in about one CI run in ten after every result
-    was written."""
+    C++ thread destroyed while still joinable) after every result was written
+    (docs/experiments.md, "Measurements behind the code's defaults")."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     logging.shutdown()

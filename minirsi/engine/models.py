@@ -108,7 +108,8 @@ def build_tokenizer(corpus_texts: Sequence[str], vocab_size: int = 2048) -> PreT
 # a few minutes of pretraining on 2 cores; small (~5.25M): for a longer budget only. A 2048
 # vocabulary keeps the tied embedding at a quarter of the parameters while shell words stay 1-3
 # tokens; GQA keeps the Qwen3 layout real models use; 4096 positions fit a prompt and 8 turns.
-# `python -m minirsi.engine.models` prints sizes and timings (measured ones: docs/experiments.md).
+# `python -m minirsi.engine.models` prints sizes and timings (measured ones: docs/experiments.md,
+# "Measurements behind the code's defaults").
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(
         hidden_size=128,

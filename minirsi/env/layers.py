@@ -90,7 +90,7 @@ _PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
 _CLEANUP = ("rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/cache/apt/*.bin /root/.cache/pip "
             "2>/dev/null; true")
 _PREFIXES = ("sudo", "env", "exec", "command", "time", "nice")
-_SHIMMED_APT = {"curl"}
+_SHIMMED_APT = {"curl"}  # test.sh installs these; the verifier jail has a stand-in instead
 # The packages of every base rootfs (scripts/setup.sh's bookworm one has the same list; a test checks).
 ROOTFS_PACKAGES = "python3,python3-pytest,git,procps,tar,gzip,bzip2,xz-utils,zip,unzip,bc,gawk,findutils,diffutils,patch"
 MIRROR = "http://deb.debian.org/debian"
@@ -100,7 +100,7 @@ BASE_TIMEOUT = 1800.0  # seconds debootstrap may take for a base rootfs
 _PYTHON_IMAGE = ("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "
                  "python3-dev python3-venv >/dev/null && python3 -m pip install -q --no-cache-dir --ignore-installed pip "
                  "&& ln -sf /usr/bin/python3 /usr/local/bin/python && rm -f /usr/lib/python3.11/EXTERNALLY-MANAGED "
-                 "/usr/lib/python3.11/config-3.11-*/libpython3.11*.a")  # static archives: 25 MB no extension needs  # test.sh installs these; the verifier jail has a stand-in instead
+                 "/usr/lib/python3.11/config-3.11-*/libpython3.11*.a")  # static archives: 25 MB no extension needs
 
 
 class LayerError(RuntimeError):

@@ -157,8 +157,8 @@ def static_checks(tests_dir: Path) -> dict[str, bool]:
 _AST_LOCK = threading.Lock()
 """CPython 3.11 keeps the AST constructor's recursion counter per interpreter, not per thread:
 two threads parsing at once (the rollout verifies episodes on its sandbox threads) can fail
-with "SystemError: AST constructor recursion depth mismatch", which cost one evaluation episode
-its success here. Every parse in this module holds this lock."""
+with "SystemError: AST constructor recursion depth mismatch" (docs/experiments.md,
+"Measurements behind the code's defaults"). Every parse in this module holds this lock."""
 
 
 @functools.lru_cache(maxsize=512)

@@ -32,7 +32,7 @@ them. ``context_weight=0`` gives the SFT loss on actions only.
 Budget. ``minutes`` caps the training loop (rendering the corpus and training the tokenizer
 come before it). Steps per minute depend on the machine and its load, so a Base trained to a
 time budget differs between machines; set ``max_steps`` (and a generous ``minutes``) for a
-reproducible Base. Measured rates: docs/experiments.md.
+reproducible Base. Measured rates: docs/experiments.md, "Measurements behind the code's defaults".
 
 Optimiser: AdamW, linear warm-up then cosine decay to ``min_lr_ratio * lr``. The schedule runs
 on progress = step / max_steps when ``max_steps`` is set, else elapsed time / time budget, so a
@@ -84,7 +84,8 @@ class PretrainConfig:
     sessions: int = 20000
     """Number of corpus sessions generated (``toy_envs.corpus.sessions(n=...)``); about half a
     pass in the budget, since a corpus seen several times is memorised instead of teaching the
-    model to copy names from the instruction (docs/experiments.md)."""
+    model to copy names from the instruction (docs/experiments.md, "Measurements behind the
+    code's defaults")."""
     val_sessions: int = 256
     """Held-out sessions (another seed) for the action-token loss and the name accuracy."""
     seed: int = 0
@@ -108,8 +109,8 @@ class PretrainConfig:
     """Sessions rendered longer than this many tokens are dropped (counted in the metrics)."""
     lr: float = 6e-3
     """Peak AdamW learning rate; the best of those tried for Base's strict success
-    (docs/experiments.md). Copying names from the instruction appears abruptly, so Base varies
-    between runs; check it before a recipe run."""
+    (docs/experiments.md, "Measurements behind the code's defaults"). Copying names from the
+    instruction appears abruptly, so Base varies between runs; check it before a recipe run."""
     min_lr_ratio: float = 0.1
     """The cosine decays to lr * min_lr_ratio."""
     warmup_steps: int = 20

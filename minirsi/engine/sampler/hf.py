@@ -87,10 +87,10 @@ def _draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     whose cumulative probability exceeds u * total, u ~ U[0, 1) from ``generator``.
 
     The same distribution as ``torch.multinomial(p, 1)``, which is several times slower on CPU
-    (docs/experiments.md). The cumulative
-    sum is float64, so rounding moves probability by < 1e-12; an id of probability 0 is never
-    drawn (its cumulative value equals its predecessor's, and the search takes the first id
-    strictly above u * total).
+    (docs/experiments.md, "Measurements behind the code's defaults"). The cumulative sum is
+    float64, so rounding moves probability by < 1e-12; an id of probability 0 is never drawn
+    (its cumulative value equals its predecessor's, and the search takes the first id strictly
+    above u * total).
     """
     cdf = logp.double().exp().cumsum(dim=-1)  # (a, V)
     u = torch.rand((logp.shape[0], 1), generator=generator, dtype=torch.float64, device=logp.device)  # (a, 1)
@@ -155,7 +155,8 @@ class HFSampler:
         max_cache_bytes: memory bound of the kept caches.
         prefill_call_tokens: the fixed cost of one extra prefill call, in padded tokens; rows
             are grouped to minimise (calls x this + padded tokens). 32: the tiny model's per-call
-            overhead on one CPU core, in tokens (docs/experiments.md).
+            overhead on one CPU core, in tokens
+            (docs/experiments.md, "Measurements behind the code's defaults").
     """
 
     def __init__(
