@@ -26,7 +26,9 @@ starts from the actor and the critic of the stages it is given::
     rpr1_cont, rpr2_cont                           RPR-1 / RPR-2 run longer (their optimizer and RNG state)
 (the numbers of the optional ones shift down when a branch before them is off)
 
-What each stage computes is ``stages.RecipeRunner`` (``pretrain``, ``rsr.run_rsr``,
+Each stage runs its finished config (``StageSpec.config``): its section of ``RunConfig``
+(minirsi/run/config.py) with its own seed, the warm-up's discount taken from RPR-1, a baseline's
+one change applied. What each stage computes is ``stages.RecipeRunner`` (``pretrain``, ``rsr.run_rsr``,
 ``critic.warmup_critic``, ``rpr.run_rpr``, ``evaluate.evaluate``); where the checkpoints go,
 resume and seeding are ``rundir``'s (its docstring shows the run directory).
 
