@@ -474,9 +474,10 @@ def ppo_update(
     ``cfg.minibatch_size`` episodes, each accumulated over ``cfg.grad_accum`` micro-batches.
 
     ``update_actor=False`` is a critic calibration update (``calibration_update``): the same
-    minibatches, the critic's step only; the actor is not read. ``ref_model`` is used only when the batch has no
-    ``ref_logprobs`` yet. ``seed`` (default ``cfg.seed``) seeds the minibatch shuffle; run_rpr
-    passes a new one each step. Returns metrics averaged over all action tokens seen.
+    minibatches, the critic's step only; the actor is not read. ``ref_model`` is used only when
+    the batch has no ``ref_logprobs`` yet. ``seed`` (default ``cfg.seed``) seeds the minibatch
+    shuffle; run_rpr passes a new one each step. Returns metrics averaged over all action tokens
+    seen.
 
     Sharded (``world``, minirsi.core.distributed): every rank holds the whole batch, draws the same
     minibatches, and trains on its rows of each micro-batch (``world.local``) with the loss
@@ -577,11 +578,11 @@ def calibration_update(
     for _ in range(cfg.ppo_epochs):
         for micro in minibatches(mask_all.shape[0], cfg.minibatch_size, cfg.grad_accum, gen, lengths):
             parts = [world.local(trimmed(batch, idx)) for idx in micro]
-            n_tok = world.normalizer(sum(mb["action_mask"].sum() for mb in parts).clamp(min=1))
+            tokens = sum(mb["action_mask"].sum() for mb in parts)  # this rank's action tokens
+            n_tok = world.normalizer(tokens.clamp(min=1))
             l_v, g = critic_step(critic, optimizer, parts, n_tok, cfg.value_clip, cfg.max_grad_norm,
                                  cfg.value_coef, world)
-            loss, norm, n_steps = loss + l_v * float(n_tok), norm + g, n_steps + 1
-            seen += float(sum(mb["action_mask"].sum() for mb in parts))
+            loss, seen, norm, n_steps = loss + l_v * float(n_tok), seen + float(tokens), norm + g, n_steps + 1
     loss, seen = world.all_sum([loss, seen])  # the token mean over every rank's rows, as ppo_update's
     return {"value_loss": loss / max(seen, 1.0), "grad_norm_critic": norm / max(n_steps, 1),
             "actor_updates": 0.0,

@@ -28,9 +28,9 @@ starts from the actor and the critic of the stages it is given::
 
 Each stage runs its finished config (``StageSpec.config``): its section of ``RunConfig``
 (minirsi/run/config.py) with its own seed, the warm-up's discount taken from RPR-1, a baseline's
-one change applied. What each stage computes is ``stages.RecipeRunner`` (``pretrain``, ``rsr.run_rsr``,
-``critic.warmup_critic``, ``rpr.run_rpr``, ``evaluate.evaluate``); where the checkpoints go,
-resume and seeding are ``rundir``'s (its docstring shows the run directory).
+one change applied. What each stage computes is ``stages.RecipeRunner`` (``pretrain``,
+``rsr.run_rsr``, ``critic.warmup_critic``, ``rpr.run_rpr``, ``evaluate.evaluate``); where the
+checkpoints go, resume and seeding are ``rundir``'s (its docstring shows the run directory).
 
 Departures from the paper: the stages run on toy tasks with a ~1M-parameter model; "steps"
 are PPO iterations of a few dozen episodes, not the paper's large batches; Direct PPO uses
