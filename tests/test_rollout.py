@@ -444,6 +444,37 @@ def test_stats_measure_generation_time(tok):
     assert 0 < stats.outside_generation < 1
 
 
+class _ThreadsSeen(ScriptedSampler):
+    """Records torch's intra-op thread count at every generation call."""
+
+    def generate(self, *args, **kwargs):
+        self.seen = getattr(self, "seen", []) + [torch.get_num_threads()]
+        return super().generate(*args, **kwargs)
+
+
+def test_a_rollout_samples_on_its_own_thread_count_and_gives_the_callers_back(tok):
+    # The presets train on 2 threads and sample on 1 (rollout.threads): the caller's count must
+    # come back after the collection, also when it is interrupted.
+    scripts = {"t0": ["```bash\nls\n```", "TASK_COMPLETE"], "t1": ["TASK_COMPLETE"]}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        sampler = _ThreadsSeen(tok, scripts)
+        collect(tasks(2), sampler, tok, cfg(threads=1), progress=False, open_sandbox=Sandboxes(), verify=fake_verify)
+        assert sampler.seen == [1, 1] and torch.get_num_threads() == 2
+        sampler = _ThreadsSeen(tok, scripts)
+        collect(tasks(2), sampler, tok, cfg(), progress=False, open_sandbox=Sandboxes(), verify=fake_verify)
+        assert sampler.seen == [2, 2] and torch.get_num_threads() == 2  # threads=0: the caller's
+        with pytest.raises(KeyboardInterrupt):
+            collect(tasks(2), _ThreadsSeen(tok, scripts, fail_after_steps=1), tok, cfg(threads=1), progress=False,
+                    open_sandbox=Sandboxes(), verify=fake_verify)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="rollout.threads=-1"):
+        RolloutConfig(threads=-1)
+
+
 # ---------------------------------------------------------------- real sandboxes, the CLI
 
 

@@ -26,11 +26,12 @@ Departures from the paper: the paper's actor is Qwen3-8B / 14B / 27B; here it is
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models as tk_models, pre_tokenizers, trainers
@@ -359,6 +360,19 @@ def token_logprobs(
         raise ValueError(f"temperature={temperature}: log-probs need a positive temperature")
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
     return logprobs_from_logits(logits, input_ids, temperature, chunk_size)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside the block (0: left as it is), the
+    caller's restored after it."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:

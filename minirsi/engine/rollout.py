@@ -88,7 +88,7 @@ from minirsi.core import actions
 from minirsi.core.episode import Episode, JsonlWriter, read_jsonl, write_jsonl
 from minirsi.core.rpr import RolloutFn
 from minirsi.core.rsr import Replay, ReplayFn
-from minirsi.engine.models import load_actor
+from minirsi.engine.models import load_actor, torch_threads
 from minirsi.engine.sampler import FINISH_LENGTH, HFSampler, OpenAISampler, Sample, Sampler
 from minirsi.env import sandbox, verifier
 from minirsi.env.sandbox import BACKENDS, open_sandbox
@@ -126,11 +126,17 @@ class RolloutConfig:
     seed: int | None = 0
     """Seed of the sampler's random draws (step s uses a seed derived from (seed, s)); None for
     fresh randomness each run."""
+    threads: int = 0
+    """torch intra-op threads while collecting (0: leave the caller's setting). On a small CPU
+    the sandboxes and verifiers need a core of their own during a rollout, and nothing else runs
+    during a training step, so the presets sample on 1 thread and train on ``threads`` (2)."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_new_tokens", "max_context_tokens", "concurrency", "obs_max_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)}: must be a positive integer")
+        if self.threads < 0:
+            raise ValueError(f"rollout.threads={self.threads}: use 0 (the caller's setting) or a positive count")
         for name in ("command_timeout", "episode_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"rollout.{name}={getattr(self, name)}: must be > 0 seconds")
@@ -260,25 +266,26 @@ def collect(
     prompts = _prompt_ids(tasks, tokenizer, cfg)
     c = _Collection(tasks, prompts, sampler, tokenizer, cfg, stop_id, out_path, progress, stats, open_sandbox, verify,
                     finished)
-    try:
-        step = 0
-        while c.has_work():
-            c.admit()  # up to ``concurrency`` live; the new ones' sandboxes start opening
-            c.enforce_time_limits()
-            c.retire()  # stopped episodes go to the verifiers
-            if not c.live:  # every episode has ended (the queue is empty too)
-                c.harvest(block=False)
-                continue
-            samples = c.sample(_step_seed(cfg.seed, step))  # ONE batched call, in ``live`` order
-            step += 1
-            c.await_sandboxes()
-            c.act(samples)  # parse, run all episodes' commands, append observations
-            c.retire()
-            c.harvest(block=False)  # write the episodes verified so far
-        c.drain()
-    finally:
-        c.close()  # also when interrupted: close open sandboxes, verify and write what had ended
-        stats.wall_s = time.monotonic() - t_start
+    with torch_threads(cfg.threads):
+        try:
+            step = 0
+            while c.has_work():
+                c.admit()  # up to ``concurrency`` live; the new ones' sandboxes start opening
+                c.enforce_time_limits()
+                c.retire()  # stopped episodes go to the verifiers
+                if not c.live:  # every episode has ended (the queue is empty too)
+                    c.harvest(block=False)
+                    continue
+                samples = c.sample(_step_seed(cfg.seed, step))  # ONE batched call, in ``live`` order
+                step += 1
+                c.await_sandboxes()
+                c.act(samples)  # parse, run all episodes' commands, append observations
+                c.retire()
+                c.harvest(block=False)  # write the episodes verified so far
+            c.drain()
+        finally:
+            c.close()  # also when interrupted: close open sandboxes, verify and write what had ended
+            stats.wall_s = time.monotonic() - t_start
     episodes = c.episodes()
     _log_summary(episodes, stats)
     return episodes

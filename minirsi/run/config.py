@@ -137,7 +137,8 @@ class RunConfig:
     device: str = "cpu"
     """Where models train and sample: cpu or cuda."""
     threads: int = 0
-    """torch CPU threads (0: torch's default)."""
+    """torch CPU threads (0: torch's default) for training and everything but rollouts, which
+    may set their own (``rollout.threads``, ``eval.rollout.threads``)."""
     suites: SuitesConfig = field(default_factory=SuitesConfig)
     base: BaseConfig = field(default_factory=BaseConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

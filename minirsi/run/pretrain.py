@@ -72,7 +72,7 @@ from tqdm import tqdm
 from minirsi.config import load_config, save_config, to_dict
 from minirsi.core import actions
 from minirsi.core.episode import right_pad
-from minirsi.engine.models import PRESETS, build_tiny_actor, build_tokenizer, count_parameters, save_actor
+from minirsi.engine.models import PRESETS, build_tiny_actor, build_tokenizer, count_parameters, save_actor, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -321,13 +321,8 @@ def pretrain(
     ``sessions`` / ``val`` replace the toy corpus (tests pass hand-written sessions).
     ``cfg.threads`` applies to this call only (the caller's setting is restored).
     """
-    before = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         return _pretrain(cfg, out_dir, sessions, val, progress_bar)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _pretrain(
