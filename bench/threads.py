@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import hashlib
 import os
 import tempfile
 import time
 
 import torch
 
-from minirsi.core.critic import build_critic
+from minirsi.core.critic import build_critic, fingerprint
 from minirsi.core.episode import pad_id_of
 from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch
 from minirsi.engine.models import torch_threads
@@ -38,14 +37,6 @@ from minirsi.engine.rollout import RolloutConfig, collect
 from minirsi.engine.sampler import HFSampler
 from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
 from rpr import synthetic_episodes
-
-
-def fingerprint(*models: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for m in models:
-        for p in m.parameters():
-            h.update(p.detach().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def timed_update(actor, critic, eps, cfg: RPRConfig, pad_id: int, threads: int) -> tuple[float, str]:
@@ -58,7 +49,7 @@ def timed_update(actor, critic, eps, cfg: RPRConfig, pad_id: int, threads: int) 
         for _ in range(2):
             batch = prepare_batch(actor, critic, eps, rewards, cfg, pad_id=pad_id)
             ppo_update(actor, critic, batch, cfg, optimizers)
-        return time.perf_counter() - t0, fingerprint(actor, critic)
+        return time.perf_counter() - t0, f"{fingerprint(actor)[:8]}/{fingerprint(critic)[:8]}"
 
 
 def main() -> None:

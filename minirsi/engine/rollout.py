@@ -129,7 +129,7 @@ class RolloutConfig:
     threads: int = 0
     """torch intra-op threads while collecting (0: leave the caller's setting). On a small CPU
     the sandboxes and verifiers need a core of their own during a rollout, and nothing else runs
-    during a training step, so the presets sample on 1 thread and train on ``threads`` (2)."""
+    during a training step, so toy-cpu samples on 1 thread and trains on 2 (``RunConfig.threads``)."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_new_tokens", "max_context_tokens", "concurrency", "obs_max_chars"):
