@@ -92,8 +92,9 @@ def _job_env(tmp_path: Path, serve_script: Path, port: int, model: Path) -> dict
 import json, os, sys, requests
 servers = next(a for a in sys.argv if a.startswith("serving.servers="))[len("serving.servers=["):-1].split(",")
 health = [requests.get(s + "/health", timeout=10).status_code for s in servers]
+# ignore_eos and a seed, as minirsi's client sends: a random model may sample <|im_end|> first
 body = {{"model": "policy", "prompt": [[1, 2, 3]], "max_tokens": 2, "temperature": 1.0, "logprobs": 0,
-        "return_token_ids": True}}
+        "return_token_ids": True, "ignore_eos": True, "seed": 0}}
 tokens = [len(requests.post(s + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"])
           for s in servers]
 json.dump({{"argv": sys.argv[1:], "servers": servers, "health": health, "tokens": tokens,
