@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minirsi.core import fdr
 from minirsi.core.episode import Episode
@@ -133,5 +136,23 @@ def test_pool_table_reads_the_uniform_estimate_and_falls_back_to_the_drawn_succe
             for i in range(6)]
     old = [{"stage": "rpr2", "phase": "calibrate", "step": i, "binary_reward": 0.5} for i in range(3)]
     table = report.pool_table(edge + old, {"rpr1": "RPR-1", "rpr2": "RPR-2"})
-    assert "| RPR-1 | 6 | 10.0 | 40.0 |" in table
-    assert "| RPR-2 | 3 | 50.0 | 50.0 |" in table
+    assert "| RPR-1 | 6 | 10.0 | 40.0 | +10.00 (0.00) |" in table  # a straight line: no error
+    assert "| RPR-2 | 3 | 50.0 | 50.0 | +0.00 (0.00) |" in table
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=3, max_size=20))
+def test_the_pool_trend_is_the_least_squares_slope_and_its_standard_error(ys):
+    x = np.arange(len(ys), dtype=float)
+    (slope, _), cov = np.polyfit(x, ys, 1, cov="unscaled")
+    resid = np.asarray(ys) - np.polyval([slope, _], x)
+    se = float(np.sqrt(cov[0, 0] * (resid @ resid) / (len(ys) - 2)))
+    got = report.trend(ys)
+    assert got[0] == pytest.approx(slope, abs=1e-9) and got[1] == pytest.approx(se, abs=1e-9)
+
+
+def test_a_falling_stage_and_a_noisy_flat_one_are_told_apart():
+    ys = [0.45, 0.46, 0.36, 0.54, 0.38, 0.35, 0.47, 0.22, 0.30, 0.40, 0.38, 0.28, 0.36, 0.42, 0.42, 0.30]
+    slope, se = report.trend(ys)  # seed 2's RPR-2 of the README's table, rounded
+    assert -0.01 < slope < 0 and abs(slope) < 2 * se  # first 3 -> last 3 falls 4 points; the slope: flat
+    assert report.trend([0.2, 0.3])[1] is None and report.trend([0.2]) == (0.0, None)

@@ -8,7 +8,8 @@ and writes ``RUN_DIR/report.md`` with
   column: mean_s Mean@k(s);
 * the failure taxonomy per stage on the first suite (minirsi/run/failures.py): what each stage's
   failed episodes failed at, so a learner sees what a stage fixed;
-* the training pool's success within each RPR stage (first vs last steps, from metrics.jsonl);
+* the training pool's success within each RPR stage (first vs last steps and the slope with its
+  standard error, from metrics.jsonl);
 * per-difficulty Mean@k, pooled over the evaluated suites weighting each suite's difficulty
   group by its number of tasks (the paper pools its 322 benchmark-task pairs the same way);
 * process reward P / C and strict completion on the long-horizon suite;
@@ -64,8 +65,8 @@ def _suites(results: Mapping[str, Any]) -> list[str]:
     return seen
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}"
 
 
 def stage_labels(run_dir: str | Path | None, names: Sequence[str]) -> dict[str, str]:
@@ -121,11 +122,28 @@ def failure_table(results: Mapping[str, Any], suite: str | None = None, labels: 
     return "\n".join(lines)
 
 
+def trend(ys: Sequence[float]) -> tuple[float, float | None]:
+    """Least-squares slope of ``ys`` against 0, 1, 2, ... and its standard error (residual
+    variance over n - 2; None under three points). A curve of noisy steps rises when the slope
+    is more than about two standard errors above 0, not when its last steps beat its first."""
+    n = len(ys)
+    if n < 2:
+        return 0.0, None
+    mx, my = (n - 1) / 2, sum(ys) / n
+    sxx = sum((i - mx) ** 2 for i in range(n))
+    slope = sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sxx
+    if n < 3:
+        return slope, None
+    rss = sum((y - my - slope * (i - mx)) ** 2 for i, y in enumerate(ys))
+    return slope, (rss / (n - 2) / sxx) ** 0.5
+
+
 def pool_table(metrics: Sequence[Mapping[str, Any]], labels: Mapping[str, str], n: int = 3) -> str:
     """Markdown: per RPR stage, the training pool's success over its first ``n`` logged steps
-    (critic calibration included) and its last ``n``: ``pool_success``, the drawn episodes'
-    success reweighted to a uniform draw of the pool (``RPRConfig.pool_sampling``), or for runs
-    logged before it the drawn episodes' ``binary_reward``."""
+    (critic calibration included) and its last ``n``, and the slope over all of them in points
+    a step with its standard error (``trend``): ``pool_success``, the drawn episodes' success
+    reweighted to a uniform draw of the pool (``RPRConfig.pool_sampling``), or for runs logged
+    before it the drawn episodes' ``binary_reward``."""
     stages: dict[str, list[float]] = {}
     for m in metrics:
         y = m.get("pool_success", m.get("binary_reward"))
@@ -133,11 +151,13 @@ def pool_table(metrics: Sequence[Mapping[str, Any]], labels: Mapping[str, str], 
             stages.setdefault(m["stage"], []).append((m["step"], y))
     if not stages:
         return "(no RPR stage logged its training rollouts)"
-    lines = [f"| Stage | steps | success, first {n} | success, last {n} |", "|---|---|---|---|"]
+    lines = [f"| Stage | steps | success, first {n} | success, last {n} | slope, points a step (s.e.) |",
+             "|---|---|---|---|---|"]
     for st, pts in stages.items():
         ys = [y for _, y in sorted(pts)]
+        slope, se = trend(ys)
         lines.append(f"| {labels.get(st, st)} | {len(ys)} | {_pct(sum(ys[:n]) / len(ys[:n]))} | "
-                     f"{_pct(sum(ys[-n:]) / len(ys[-n:]))} |")
+                     f"{_pct(sum(ys[-n:]) / len(ys[-n:]))} | {100 * slope:+.2f} ({_pct(se, 2)}) |")
     return "\n".join(lines)
 
 
