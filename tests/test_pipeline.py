@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from minirsi.config import ConfigError, load_config
 from minirsi.run import recipe, rundir, stages
@@ -470,6 +471,32 @@ def test_full_disk_or_dead_sandbox_gives_a_resume_message_and_resumes(tmp_path, 
     assert set(results) == {"base", "rsr1", "rpr1", "rsr2", "rpr2"}
 
 
+class ThreadCounting(FakeRunner):
+    def train(self, cfg, run, spec, inputs, out, log):
+        self.calls.append(f"threads:{torch.get_num_threads()}")
+        return super().train(cfg, run, spec, inputs, out, log)
+
+
+def test_a_run_trains_on_its_thread_count_and_gives_the_callers_back(tmp_path):
+    """``threads`` holds inside the run only: a notebook or test that runs a recipe in-process
+    keeps its own setting afterwards, also after a stage failed."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = ThreadCounting()
+        run_fake(small_cfg("threads=2", "baselines.direct_ppo=false"), tmp_path / "a", runner)
+        assert {c for c in runner.calls if c.startswith("threads:")} == {"threads:2"}
+        assert torch.get_num_threads() == 1
+        failing = ThreadCounting(error=RuntimeError("SandboxError: died"), error_in="rsr1")
+        with pytest.raises(RunError):
+            run_fake(small_cfg("threads=2"), tmp_path / "b", failing)
+        assert "threads:2" in failing.calls and torch.get_num_threads() == 1
+        run_fake(small_cfg("threads=0", "baselines.direct_ppo=false"), tmp_path / "c", runner := ThreadCounting())
+        assert {c for c in runner.calls if c.startswith("threads:")} == {"threads:1"}  # 0: the caller's
+    finally:
+        torch.set_num_threads(before)
+
+
 FAKE_SCRIPT = """
 import sys, time
 sys.path[:0] = [{repo!r}, {tests!r}]
@@ -496,7 +523,7 @@ def test_sigkill_mid_stage_then_resume(tmp_path):
     script.write_text(textwrap.dedent(FAKE_SCRIPT.format(repo=str(REPO), tests=str(REPO / "tests"), flag=str(flag), run_dir=str(run_dir))))
     proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 300  # a loaded machine imports torch and transformers slowly
         while not flag.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert flag.exists(), "the job never reached RPR-1"

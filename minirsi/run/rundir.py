@@ -67,6 +67,7 @@ from tqdm import tqdm
 from minirsi.config import ConfigError, load_config, save_config, to_dict
 from minirsi.core import distributed
 from minirsi.core.atomic import atomic_write_json, atomic_write_text
+from minirsi.engine.models import torch_threads
 from minirsi.run.config import RunConfig
 from minirsi.run.runlock import LOCK_NAME, RunLock
 
@@ -324,7 +325,8 @@ def run_stages(cfg: RunConfig, run_dir: str | Path, stages: Sequence[StageSpec],
 
     try:
         kept = _on_main(world, prepare)
-        return _run_locked(cfg, run_, stages, runner, resume, tensorboard, kept)
+        with torch_threads(cfg.threads):  # the caller's thread count back after the run, as after a rollout
+            return _run_locked(cfg, run_, stages, runner, resume, tensorboard, kept)
     finally:
         for lock in held:
             lock.release()
@@ -334,8 +336,6 @@ def _run_locked(cfg: RunConfig, run_: RunDir, stages: Sequence[StageSpec], runne
                 tensorboard: bool, kept: list[str]) -> dict:
     """``run_stages`` once the directory is locked and prepared."""
     world = distributed.current()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     if resume:
         logger.info("resuming %s: %d finished stages kept (%s)", run_.root, len(kept), ", ".join(kept) or "none")
     writer = _tb_writer(run_) if tensorboard and world.is_main else None
