@@ -118,7 +118,7 @@ def main() -> int:
                                              f"FDR {r['dense_reward']:.2f} EV {r['explained_variance']:+.2f} "
                                              f"KL {r['approx_kl']:.3f} clip {r['clip_frac']:.2f} "
                                              f"turns {r['turns']:.1f}", flush=True))
-    # pool_success: the drawn episodes' success reweighted to a uniform draw (RPRConfig.pool_sampling)
+    # pool_success: what a uniform draw of the pool would measure (EdgeStream.pool_success under edge sampling)
     calib = [h["pool_success"] for h in history if h["phase"] == "calibrate"] or [history[0]["pool_success"]]
     joint = [h["pool_success"] for h in history if h["phase"] == "joint"]
     start, end = sum(calib) / len(calib), sum(joint[-args.tail:]) / len(joint[-args.tail:])

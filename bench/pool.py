@@ -1,8 +1,8 @@
 """Did a stage move its training pool? Two of a run's actors on the run's training tasks, paired.
 
 A stage's curve in ``minirsi report`` (``pool_success``) estimates the pool's success from each
-step's 64 drawn episodes, reweighted to a uniform draw: a step's figure has a spread of 7-11
-points, so a stage's rise of a few points can hide in it. This measures the stage directly: every
+step's 64 drawn episodes, each drawn bucket weighed by its share of the pool: a step's figure
+spreads by 4-10 points, so a stage's rise of a few points can hide in it. This measures the stage directly: every
 task of ``RUN/tasks/train`` ``--samples`` times with the actor a stage started from and the one it
 ended with, the same sampling seeds for both (common random numbers), and their difference with
 its standard error over tasks (``minirsi.run.evaluate.paired``), overall and by difficulty. The

@@ -650,43 +650,79 @@ def test_edge_stream_draws_where_groups_are_mixed_and_keeps_trying_the_rest():
     assert all(len(s) == 32 and all(s[i * 4:(i + 1) * 4] == [s[i * 4]] * 4 for i in range(8)) for s in ids)
 
 
-def test_edge_streams_reweighted_success_estimates_what_a_uniform_draw_measures():
-    """pool_success: the drawn episodes reweighted by pool share / draw probability. The raw
-    success of the edge stream's draws is biased toward its favourite bucket; the reweighted
-    mean over many steps is the pool's true success, (0 + 1 + 0.5) / 3 = 0.5 here within noise,
-    where the raw mean is off by more than that noise."""
+def test_edge_streams_pool_success_estimates_what_a_uniform_draw_measures():
+    """pool_success: each drawn bucket's success weighed by its share of the pool. The raw
+    success of the edge stream's draws is biased toward its favourite bucket; the estimate's
+    mean over many steps is the pool's true success, (0 + 1 + 0.5) / 3 = 0.5 here within
+    noise, where the raw mean is off by more than that noise."""
     tasks, rate = _bucketed_pool({"hard": 0.0, "trivial": 1.0, "edge": 0.5}, per_bucket=10)
     rate["f-trivial-0"] = rate["f-trivial-1"] = 0.5  # a trivial bucket with some contrast: a lopsided draw
     truth = sum(rate.values()) / len(rate)
     edge = EdgeStream(tasks, 32, seed=1, group=4)
-    rng, est, raw = random.Random(3), [], []
-    for _ in range(300):
-        draw = next(edge)
-        eps = [SimpleNamespace(task_id=t.task_id, success=rng.random() < rate[t.task_id])
-               for t in draw]
-        w = edge.uniform_weights(eps)
-        est.append(sum(wi * e.success for wi, e in zip(w, eps)) / len(eps))
-        raw.append(sum(e.success for e in eps) / len(eps))
-        edge.observe(eps)
+    steps = _play(edge, rate, 1)
+    est = [edge.pool_success()]
+    for _ in range(299):
+        steps += _play(edge, rate, 1, seed=len(steps))
+        est.append(edge.pool_success())
+    raw = [sum(e.success for e in s) / len(s) for s in steps]
     assert abs(sum(est) / len(est) - truth) < 0.02
     assert abs(sum(raw) / len(raw) - truth) > 0.04
 
 
+def test_edge_streams_pool_success_carries_no_noise_from_how_many_groups_a_bucket_drew():
+    """A known answer: one bucket of four is always solved and the others never, so the pool's
+    success is that bucket's share, 0.25, in every step once each bucket has been drawn, however
+    many groups each drew. Reweighting each episode by share / draw probability (the estimate
+    before this one) is right on average only: a step reads 0.25 x the solved bucket's drawn
+    fraction / its draw probability."""
+    tasks, rate = _bucketed_pool({"trivial": 1.0, "hard": 0.0, "hard2": 0.0, "hard3": 0.0}, per_bucket=6)
+    edge = EdgeStream(tasks, 16, seed=5, group=2)
+    old, new = [], []
+    for _ in range(40):
+        draw = next(edge)
+        eps = [SimpleNamespace(task_id=t.task_id, success=rate[t.task_id] == 1.0) for t in draw]
+        old.append(sum(edge.share[edge.bucket[e.task_id]] / edge.probs[edge.bucket[e.task_id]] * e.success
+                       for e in eps) / len(eps))
+        edge.observe(eps)
+        if len(edge.success) == 4:
+            new.append(edge.pool_success())
+    assert len(new) > 30 and new == pytest.approx([0.25] * len(new))
+    assert max(abs(x - 0.25) for x in old) > 0.1  # the old estimate moved with the draw counts
+
+
+def test_edge_streams_pool_success_until_every_bucket_is_drawn():
+    """A bucket never drawn is left out (the others' shares renormalised), and a bucket not
+    drawn this step keeps the success of the last step that drew it."""
+    tasks, _ = _bucketed_pool({"a": 0.0, "b": 0.0}, per_bucket=3)
+    edge = EdgeStream(tasks, 2, seed=0, group=1)
+    assert edge.pool_success() == 0.0  # nothing observed yet
+    ep = lambda tid, ok: SimpleNamespace(task_id=tid, success=ok)  # noqa: E731
+    edge.observe([ep("f-a-0", True), ep("f-a-1", False)])
+    assert edge.pool_success() == 0.5  # only bucket a seen: its success
+    edge.observe([ep("f-b-0", False), ep("f-b-1", False)])
+    assert edge.pool_success() == 0.25  # a keeps 0.5, b 0.0, half the pool each
+    edge.observe([ep("f-a-2", True), ep("outside-the-pool", True)])
+    assert edge.pool_success() == 0.5 and edge.success == {("a",): 1.0, ("b",): 0.0}
+
+
 def test_run_rpr_with_edge_sampling_trains_on_more_episodes_and_logs_the_uniform_estimate():
     """The same pool through run_rpr: with pool_sampling='edge' more of each step's draws are
-    mixed groups, so more episodes reach the update, and ``pool_success`` is logged either way
-    (equal to ``binary_reward`` under a uniform draw)."""
+    mixed groups, so more episodes reach the update, and ``pool_success`` is logged either way:
+    ``binary_reward`` under a uniform draw, and under edge sampling the estimate that counts
+    each step's own episodes (its stream's ``pool_success`` after observing them)."""
     tasks, rate = _bucketed_pool({"hard": 0.0, "trivial": 1.0, "edge": 0.5})
     trained = {}
     for sampling in ("uniform", "edge"):
         torch.manual_seed(0)
         actor = tiny_qwen()
         critic = build_critic(actor)
+        rolled = []
 
         def rollout_fn(model, drawn, seed):
             rng = random.Random(seed)
-            return _group_episodes({tid: [rng.random() < rate[tid] for _ in range(4)]
-                                    for tid in dict.fromkeys(t.task_id for t in drawn)}, seed)
+            rolled.append(_group_episodes({tid: [rng.random() < rate[tid] for _ in range(4)]
+                                           for tid in dict.fromkeys(t.task_id for t in drawn)}, seed))
+            return rolled[-1]
 
         cfg = _cfg(episodes_per_step=8, samples_per_task=4, drop_uniform_groups=True, oversample=2, steps=6,
                    critic_calibration_updates=2, reward="fdr", pool_sampling=sampling)
@@ -694,6 +730,12 @@ def test_run_rpr_with_edge_sampling_trains_on_more_episodes_and_logs_the_uniform
         trained[sampling] = sum(h["trained_episodes"] for h in history)
         if sampling == "uniform":
             assert all(h["pool_success"] == h["binary_reward"] for h in history)
+        else:
+            replay = EdgeStream(tasks, 16, seed=0, group=4)
+            for h, eps in zip(history, rolled, strict=True):
+                replay.observe(eps)
+                assert h["pool_success"] == replay.pool_success()
+            assert len({h["pool_success"] for h in history}) > 1
     assert trained["edge"] > trained["uniform"]
     with pytest.raises(ValueError, match="pool_sampling"):
         RPRConfig(pool_sampling="greedy")

@@ -141,9 +141,9 @@ def trend(ys: Sequence[float]) -> tuple[float, float | None]:
 def pool_table(metrics: Sequence[Mapping[str, Any]], labels: Mapping[str, str], n: int = 3) -> str:
     """Markdown: per RPR stage, the training pool's success over its first ``n`` logged steps
     (critic calibration included) and its last ``n``, and the slope over all of them in points
-    a step with its standard error (``trend``): ``pool_success``, the drawn episodes' success
-    reweighted to a uniform draw of the pool (``RPRConfig.pool_sampling``), or for runs logged
-    before it the drawn episodes' ``binary_reward``."""
+    a step with its standard error (``trend``): ``pool_success``, what a uniform draw of the pool
+    would measure (``EdgeStream.pool_success``: each drawn bucket's success weighed by its share
+    of the pool), or for runs logged before it the drawn episodes' ``binary_reward``."""
     stages: dict[str, list[float]] = {}
     for m in metrics:
         y = m.get("pool_success", m.get("binary_reward"))
