@@ -53,7 +53,7 @@ import torch
 from minirsi.engine.rollout import RolloutConfig, RolloutStats, collect
 from minirsi.engine.sampler import HFSampler
 from minirsi.env.sandbox import BACKENDS
-from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
+from model_under_test import load_model, toy_tasks  # bench/model_under_test.py: this script's folder is on sys.path
 
 
 def main() -> None:
@@ -70,17 +70,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from minirsi.env.tasks import load_tasks
-    from toy_envs import generate_suite
-
     with tempfile.TemporaryDirectory() as d:
-        # TemporaryDirectory is mode 0700; the sandbox's mounts need the task files readable.
-        os.chmod(d, 0o755)
-        generate_suite("train", d, n=args.episodes, seed=0)
-        pool, errors = load_tasks(d)
-        if errors:
-            raise SystemExit(f"toy suite has invalid tasks: {errors[:3]}")
-        tasks = list(itertools.islice(itertools.cycle(sorted(pool, key=lambda t: t.task_id)), args.episodes))
+        tasks = list(itertools.islice(itertools.cycle(toy_tasks(d, args.episodes)), args.episodes))
         model, tok = load_model(args.model, tasks)
         sampler = HFSampler(model, tok)
         base = dict(

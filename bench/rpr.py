@@ -49,7 +49,7 @@ from minirsi.core.episode import Episode
 from minirsi.core.episode import pad_id_of
 from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_batch, run_rpr
 from minirsi.engine.rollout import make_rollout_fn
-from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
+from model_under_test import load_model, toy_tasks  # bench/model_under_test.py: this script's folder is on sys.path
 
 
 def synthetic_episodes(n: int, vocab: int, prompt: int, turns: int, action: int, obs: int, seed: int = 0) -> list[Episode]:
@@ -99,15 +99,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from minirsi.engine.rollout import RolloutConfig
-    from minirsi.env.tasks import load_tasks
-    from toy_envs import generate_suite
 
     with tempfile.TemporaryDirectory() as d:
-        generate_suite("train", d, n=args.episodes, seed=0)
-        tasks, errors = load_tasks(d)
-        if errors:
-            raise SystemExit(f"toy suite has invalid tasks: {errors[:3]}")
-        tasks = sorted(tasks, key=lambda t: t.task_id)
+        tasks = toy_tasks(d, args.episodes)
         actor, tok = load_model(args.model, tasks)
         actor.to(args.device)
         critic = build_critic(actor).to(args.device)

@@ -39,7 +39,7 @@ from minirsi.engine.sampler import OpenAISampler
 from minirsi.engine.weight_sync import WeightSync
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rpr import load_model  # noqa: E402  (bench/rpr.py: the same model)
+from model_under_test import load_model, toy_tasks  # noqa: E402  (bench/model_under_test.py)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,13 +90,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    from minirsi.env.tasks import load_tasks
-    from toy_envs import generate_suite
-
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        generate_suite("train", d / "tasks", n=args.episodes, seed=0)
-        tasks = sorted(load_tasks(d / "tasks")[0], key=lambda t: t.task_id)
+        tasks = toy_tasks(d / "tasks", args.episodes)
         actor, tok = load_model(args.model, tasks)
         save_actor(actor, tok, d / "start")
         servers = [start_server(d / "start", d / f"serve{i}.log") for i in range(2)]

@@ -35,7 +35,7 @@ from minirsi.core.rpr import RPRConfig, make_optimizers, ppo_update, prepare_bat
 from minirsi.engine.models import torch_threads
 from minirsi.engine.rollout import RolloutConfig, collect
 from minirsi.engine.sampler import HFSampler
-from model_under_test import load_model  # bench/model_under_test.py: this script's folder is on sys.path
+from model_under_test import load_model, toy_tasks  # bench/model_under_test.py: this script's folder is on sys.path
 from rpr import synthetic_episodes
 
 
@@ -63,16 +63,8 @@ def main() -> None:
     p.add_argument("--rollout-episodes", type=int, default=64)
     args = p.parse_args()
 
-    from minirsi.env.tasks import load_tasks
-    from toy_envs import generate_suite
-
     with tempfile.TemporaryDirectory() as d:
-        os.chmod(d, 0o755)  # the sandbox's mounts need the task files readable
-        generate_suite("train", d, n=args.rollout_episodes, seed=1)
-        tasks, errors = load_tasks(d)
-        if errors:
-            raise SystemExit(f"toy suite has invalid tasks: {errors[:3]}")
-        tasks = sorted(tasks, key=lambda t: t.task_id)
+        tasks = toy_tasks(d, args.rollout_episodes, seed=1)
         actor, tok = load_model(args.model, tasks)
         torch.manual_seed(0)
         critic = build_critic(actor)
