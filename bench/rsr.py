@@ -4,8 +4,10 @@ The RSR rung of the probe ladder (bench/ladder.py is RPR's): load an actor (e.g.
 03-rpr1/actor), measure ``--measure`` training tasks once each, run ``rsr.run_rsr`` with the
 preset's ``--stage`` settings plus overrides, and measure the same tasks with the same seed
 again. Prints success by difficulty, the failure taxonomy (minirsi.run.failures) and what the SFT
-set held (distinct rewrites by difficulty, turns), and writes ``rsr.json``. Choose settings here,
-on training tasks, never on the evaluation suites.
+set held (distinct rewrites by difficulty, turns), the paired change with its standard error on
+all measured tasks, on those the SFT set holds a rewrite of (which SFT can memorise) and on the
+others, and writes ``rsr.json``. Choose settings here, on training tasks, never on the
+evaluation suites.
 
     python bench/rsr.py --actor RUN/stages/03-rpr1/actor --tasks RUN/tasks/train --out /tmp/r0
     python bench/rsr.py ... rsr2.lr=1e-4 rsr2.epochs=1
@@ -29,13 +31,14 @@ from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_replay_fn, make_rollout_fn
 from minirsi.engine.sampler import HFSampler
 from minirsi.run import failures
-from minirsi.run.evaluate import load_suites
+from minirsi.run.evaluate import load_suites, paired
 from minirsi.run.config import RunConfig, resolve_preset
 from minirsi.run.rundir import stage_seed
 
 
-def measure(actor, rollout_fn, tasks: list, seed: int) -> dict:
-    """Each task once (seeded): success overall and by difficulty, and the failure classes."""
+def measure(actor, rollout_fn, tasks: list, seed: int) -> tuple[dict, list]:
+    """Each task once (seeded): success overall and by difficulty, and the failure classes; and
+    the episodes."""
     actor.eval()
     eps = rollout_fn(actor, tasks, seed)
     diff = {t.task_id: t.difficulty for t in tasks}
@@ -45,7 +48,21 @@ def measure(actor, rollout_fn, tasks: list, seed: int) -> dict:
     return {"success": sum(e.success for e in eps) / len(eps),
             "by_difficulty": {d: sum(v) / len(v) for d, v in sorted(by.items())},
             "turns": sum(e.turns for e in eps) / len(eps),
-            "failures": failures.summarise(eps, {t.task_id: getattr(t, "path", None) for t in tasks})["counts"]}
+            "failures": failures.summarise(eps, {t.task_id: getattr(t, "path", None) for t in tasks})["counts"]}, eps
+
+
+def split_by_sft_set(before: list, after: list, trained: set[str]) -> dict[str, dict]:
+    """The paired change (``evaluate.paired``) on every measured task, on the tasks the SFT set
+    holds a rewrite of (``trained``: what SFT could have memorised) and on the others."""
+    out = {}
+    for name, keep in (("all", lambda t: True), ("in the SFT set", lambda t: t in trained),
+                       ("not in the SFT set", lambda t: t not in trained)):
+        b = [e for e in before if keep(e.task_id)]
+        a = [e for e in after if keep(e.task_id)]
+        if b:
+            out[name] = {"before": sum(e.success for e in b) / len(b), "after": sum(e.success for e in a) / len(a),
+                         **paired(b, a)}
+    return out
 
 
 def main() -> int:
@@ -68,11 +85,12 @@ def main() -> int:
     rollout_fn = make_rollout_fn(tok, cfg.rollout, progress=False)
     probe = tasks[: args.measure]
     t0 = time.time()
-    before = measure(actor, rollout_fn, probe, 4242)
+    before, before_eps = measure(actor, rollout_fn, probe, 4242)
     scfg = dataclasses.replace(getattr(cfg, args.stage), seed=stage_seed(args.seed, args.stage))
     stats = run_rsr(actor, tok, tasks, scfg, rollout_fn, make_replay_fn(scfg.backend, scfg.command_timeout),
                     sampler_factory=HFSampler)
-    after = measure(actor, rollout_fn, probe, 4242)
+    after, after_eps = measure(actor, rollout_fn, probe, 4242)
+    split = split_by_sft_set(before_eps, after_eps, {k["task_id"] for k in stats.kept})
     diff = {t.task_id: t.difficulty for t in tasks}
     kept = collections.Counter(diff[k["task_id"]] for k in stats.kept)
     print(f"RSR set: {stats.sft_examples} distinct rewrites of {stats.runs_verified} verified runs "
@@ -85,10 +103,14 @@ def main() -> int:
               + f"  turns {m['turns']:.2f}  failures {m['failures']}")
     print(f"training-pool success {100 * before['success']:.1f}% -> {100 * after['success']:.1f}%: "
           f"{100 * (after['success'] - before['success']):+.1f} points ({len(probe)} tasks, {time.time() - t0:.0f} s)")
+    for name, r in split.items():
+        print(f"  {name:18s} {r['n_tasks']:4d} tasks: {100 * r['before']:.1f}% -> {100 * r['after']:.1f}%, "
+              f"paired {100 * r['diff']:+.1f} (s.e. {100 * r['stderr']:.1f})")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "rsr.json").write_text(json.dumps({"overrides": args.overrides, "before": before, "after": after,
+                                                  "by_sft_set": split,
                                                   "kept_by_difficulty": kept, "stats": {k: v for k, v in stats.to_dict().items() if k != "kept"}},
                                                  indent=1) + "\n")
     return 0
