@@ -27,7 +27,7 @@ from minirsi.config import load_config
 from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_rollout_fn
 from minirsi.run.config import RunConfig
-from minirsi.run.evaluate import load_suites, paired
+from minirsi.run.evaluate import load_suites, paired_by
 from minirsi.run.report import DIFFICULTIES
 
 
@@ -62,11 +62,10 @@ def main() -> int:
         s = sum(e.success for e in episodes[name]) / len(episodes[name])
         print(f"{name}: {100 * s:.1f}% of {len(episodes[name])} episodes ({time.time() - t0:.0f} s)", flush=True)
     before, after = episodes[args.before], episodes[args.after]
-    rows = {"all": paired(before, after)}
     present = set(difficulty.values())
-    for d in [d for d in DIFFICULTIES if d in present] + sorted(present - set(DIFFICULTIES)):
-        rows[d] = paired([e for e in before if difficulty[e.task_id] == d],
-                         [e for e in after if difficulty[e.task_id] == d])
+    order = [d for d in DIFFICULTIES if d in present] + sorted(present - set(DIFFICULTIES))
+    rows = paired_by(before, after, {"all": lambda t: True,
+                                     **{d: (lambda t, d=d: difficulty[t] == d) for d in order}})
     for name, r in rows.items():
         print(f"{args.before} -> {args.after} {name:8s} {100 * r['diff']:+.1f} points "
               f"(paired s.e. {100 * r['stderr']:.1f}, {r['n_tasks']} tasks)")

@@ -31,7 +31,7 @@ from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_replay_fn, make_rollout_fn
 from minirsi.engine.sampler import HFSampler
 from minirsi.run import failures
-from minirsi.run.evaluate import load_suites, paired
+from minirsi.run.evaluate import load_suites, paired_by
 from minirsi.run.config import RunConfig, resolve_preset
 from minirsi.run.rundir import stage_seed
 
@@ -54,15 +54,8 @@ def measure(actor, rollout_fn, tasks: list, seed: int) -> tuple[dict, list]:
 def split_by_sft_set(before: list, after: list, trained: set[str]) -> dict[str, dict]:
     """The paired change (``evaluate.paired``) on every measured task, on the tasks the SFT set
     holds a rewrite of (``trained``: what SFT could have memorised) and on the others."""
-    out = {}
-    for name, keep in (("all", lambda t: True), ("in the SFT set", lambda t: t in trained),
-                       ("not in the SFT set", lambda t: t not in trained)):
-        b = [e for e in before if keep(e.task_id)]
-        a = [e for e in after if keep(e.task_id)]
-        if b:
-            out[name] = {"before": sum(e.success for e in b) / len(b), "after": sum(e.success for e in a) / len(a),
-                         **paired(b, a)}
-    return out
+    return paired_by(before, after, {"all": lambda t: True, "in the SFT set": lambda t: t in trained,
+                                     "not in the SFT set": lambda t: t not in trained})
 
 
 def main() -> int:

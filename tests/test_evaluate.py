@@ -61,6 +61,22 @@ def test_paired_difference_hand_worked():
         ev.paired(before, after[:6])
 
 
+def test_paired_by_groups_pairs_each_subset_of_tasks():
+    # a: 0 -> 1 and b: 1 -> 1 in group x; c: 1 -> 0 in group y; group z holds no task
+    before = [ep("a", False), ep("b", True), ep("c", True), ep("c", True)]
+    after = [ep("a", True), ep("b", True), ep("c", False), ep("c", False)]
+    rows = ev.paired_by(before, after, {"all": lambda t: True, "x": lambda t: t in "ab",
+                                        "y": lambda t: t == "c", "z": lambda t: t == "d"})
+    assert list(rows) == ["all", "x", "y"]
+    assert rows["x"] == pytest.approx({"before": 0.5, "after": 1.0, "diff": 0.5, "stderr": 0.5, "n_tasks": 2})
+    assert rows["y"] == pytest.approx({"before": 1.0, "after": 0.0, "diff": -1.0, "stderr": 0.0, "n_tasks": 1})
+    assert rows["all"]["diff"] == pytest.approx(ev.paired(before, after)["diff"])
+    # the success rates are over episodes (c counts twice), the difference over tasks
+    assert (rows["all"]["before"], rows["all"]["after"]) == (0.75, 0.5)
+    with pytest.raises(ValueError, match="different tasks"):
+        ev.paired_by(before, after[:1], {"all": lambda t: True})
+
+
 def test_no_episodes_is_an_error():
     with pytest.raises(ValueError, match="no episodes"):
         ev.summarise([], k=3)

@@ -39,7 +39,7 @@ import math
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from minirsi.core.episode import Episode
 from minirsi.run import failures
@@ -98,6 +98,22 @@ def paired(before: Sequence[Episode], after: Sequence[Episode]) -> dict[str, flo
     d = [b[t] - a[t] for t in sorted(a)]
     mean, stderr = _mean_and_stderr(d)
     return {"diff": mean, "stderr": stderr, "n_tasks": len(d)}
+
+
+def paired_by(before: Sequence[Episode], after: Sequence[Episode],
+              groups: Mapping[str, Callable[[str], bool]]) -> dict[str, dict[str, float]]:
+    """``paired`` on subsets of the tasks: ``groups`` maps a name to a predicate on ``task_id``
+    (e.g. a difficulty, or "the SFT set holds a rewrite of it"). Each row adds both sides'
+    success rates over their episodes (``before``, ``after``); a group no task falls in is left
+    out."""
+    out = {}
+    for name, keep in groups.items():
+        b = [e for e in before if keep(e.task_id)]
+        a = [e for e in after if keep(e.task_id)]
+        if b or a:
+            out[name] = {"before": _mean(e.success for e in b), "after": _mean(e.success for e in a),
+                         **paired(b, a)}
+    return out
 
 
 def evaluate(
