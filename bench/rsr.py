@@ -27,7 +27,7 @@ import torch
 
 from minirsi.config import load_config
 from minirsi.core.rsr import run_rsr
-from minirsi.engine.models import load_actor
+from minirsi.engine.models import load_actor, save_actor
 from minirsi.engine.rollout import make_replay_fn, make_rollout_fn
 from minirsi.engine.sampler import HFSampler
 from minirsi.run import failures
@@ -68,6 +68,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the run seed the stage's seed derives from")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="", help="folder for rsr.json")
+    ap.add_argument("--save", default="", help="folder to save the trained actor in (e.g. for bench/ladder.py)")
     ap.add_argument("overrides", nargs="*", help="preset overrides, e.g. rsr2.lr=1e-4")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -82,6 +83,8 @@ def main() -> int:
     scfg = dataclasses.replace(getattr(cfg, args.stage), seed=stage_seed(args.seed, args.stage))
     stats = run_rsr(actor, tok, tasks, scfg, rollout_fn, make_replay_fn(scfg.backend, scfg.command_timeout),
                     sampler_factory=HFSampler)
+    if args.save:
+        save_actor(actor, tok, args.save)
     after, after_eps = measure(actor, rollout_fn, probe, 4242)
     split = split_by_sft_set(before_eps, after_eps, {k["task_id"] for k in stats.kept})
     diff = {t.task_id: t.difficulty for t in tasks}
