@@ -27,6 +27,7 @@ import torch
 from minirsi.config import load_config
 from minirsi.core.critic import build_critic, warmup_critic
 from minirsi.core.rpr import run_rpr, score
+from minirsi.core.rsr import sample_tasks
 from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_rollout_fn
 from minirsi.run.evaluate import load_suites
@@ -96,7 +97,9 @@ def main() -> int:
     t0 = time.time()
     actor.eval().requires_grad_(False)
     before = measure(4242) if args.final else {}
-    warm_eps = rollout_fn(actor, [t for t in pool for _ in range(max(1, 32 // len(pool)))], 777)
+    # the recipe's warm-up: warmup.tasks of the pool (seeded), at least 32 episodes on a small pool
+    warm_pool = sample_tasks(pool, cfg.warmup.tasks, 777)
+    warm_eps = rollout_fn(actor, [t for t in warm_pool for _ in range(max(cfg.warmup.samples_per_task, 32 // len(warm_pool)))], 777)
     critic = build_critic(actor)
     evs = warmup_critic(critic, warm_eps, score(warm_eps, cfg.warmup.reward, scales), 
                          dataclasses.replace(cfg.warmup, gamma_turn=cfg.rpr1.gamma_turn, lam_turn=cfg.rpr1.lam_turn))
@@ -116,7 +119,7 @@ def main() -> int:
                       log_fn=lambda r: print(f"  step {r['step']:2d} {r['phase']:9s} S {r['binary_reward']:.2f} "
                                              f"pool {r['pool_success']:.2f} trained {r.get('trained_episodes', '-')} "
                                              f"FDR {r['dense_reward']:.2f} EV {r['explained_variance']:+.2f} "
-                                             f"KL {r['approx_kl']:.3f} clip {r['clip_frac']:.2f} "
+                                             f"KL {r.get('approx_kl', 0.0):.3f} clip {r.get('clip_frac', 0.0):.2f} "
                                              f"turns {r['turns']:.1f}", flush=True))
     # pool_success: what a uniform draw of the pool would measure (EdgeStream.pool_success under edge sampling)
     calib = [h["pool_success"] for h in history if h["phase"] == "calibrate"] or [history[0]["pool_success"]]
