@@ -109,8 +109,11 @@ def main() -> int:
     rcfg = dataclasses.replace(cfg.rpr1, seed=cfg.seed)
     per_task: dict[str, list[list[int]]] = {t.task_id: [] for t in pool}  # per step: successes of the task
 
+    # RPR samples at its own temperature, as the recipe's stage does (the trainer scores with it)
+    rpr_rollout_fn = make_rollout_fn(tok, dataclasses.replace(cfg.rollout, temperature=rcfg.temperature), progress=False)
+
     def counted(model, tasks_, seed):
-        eps = rollout_fn(model, tasks_, seed)
+        eps = rpr_rollout_fn(model, tasks_, seed)
         for tid in per_task:
             per_task[tid].append([int(e.success) for e in eps if e.task_id == tid])
         return eps
