@@ -40,3 +40,22 @@ def test_ladder_runs_calibration_and_joint_steps(tmp_path: Path):
     assert "pool success measured with 1 samples a task" in proc.stdout
     # RPR's episodes are sampled at rpr1.temperature: the trainer's log-probs match the sampler's
     assert max(h["logprob_gap"] for h in got["history"]) < 1e-4, [h["logprob_gap"] for h in got["history"]]
+
+
+@pytest.mark.timeout(600)
+def test_names_bench_counts_what_pretrain_measures():
+    """bench/names.py splits the held-out name accuracy that ``minirsi pretrain`` records: its
+    right names over all names is that accuracy, on the same sessions."""
+    from minirsi.engine.models import load_actor
+    from minirsi.run.pretrain import PretrainConfig, held_out_name_accuracy
+
+    proc = _bench("names.py", "--model", str(BASE), "--sessions", "12", "--json")
+    got = json.loads(proc.stdout)
+    right = sum(n for k, n in got["kinds"].items() if k.endswith(": right"))
+    total = sum(got["kinds"].values())
+    model, tok = load_actor(BASE)
+    want = held_out_name_accuracy(model.eval(), tok, PretrainConfig(val_sessions=12, seed=0))
+    assert total == want["name_tokens"] and total > 0
+    assert right / total == pytest.approx(want["name_accuracy"], abs=1e-9)
+    comment = sum(n for k, n in got["kinds"].items() if k.startswith("comment"))
+    assert sum(b for _, b in got["comment_by_instruction_line"].values()) == comment

@@ -1,0 +1,88 @@
+"""Where a Base's name errors are: which names it copies wrong, teacher-forced, on the held-out
+corpus sessions that ``minirsi pretrain`` measures name accuracy on.
+
+Each name token of an action (``pretrain.name_positions``) is counted on the line it sits on: a
+comment (``# 2. Copy ...``, restating an instruction line) or a command (copying the comment
+one line up). A wrong prediction is another name of the same instruction, a name the
+instruction does not hold, or not a name. Comment names are also split by the instruction line
+they restate and by their place in the line.
+
+    python3 bench/names.py --model minirsi/presets/toy-base
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+
+import torch
+
+from minirsi.core import actions
+from minirsi.engine.models import load_actor
+from minirsi.run import pretrain
+
+
+def tally(model, tok, sessions, max_len: int) -> dict:
+    names = pretrain.name_words()
+    kinds: collections.Counter = collections.Counter()
+    by_line: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    by_place: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for s in sessions:
+        ids, mask = actions.render_session(tok, s)[:2]
+        if len(ids) > max_len:
+            continue
+        with torch.no_grad():
+            pred = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).tolist()
+        toks = tok.convert_ids_to_tokens(ids)
+        in_instruction = set(re.findall(r"[a-z]+", s.instruction)) & names
+        for t in pretrain.name_positions(tok, ids, mask, names):
+            start = t
+            while start > 0 and not toks[start - 1].endswith("Ċ"):
+                start -= 1
+            line = tok.decode(ids[start : t + 1]).lstrip()
+            where = "comment" if line.startswith("#") else "command"
+            guess = tok.convert_ids_to_tokens([pred[t - 1]])[0].lstrip("Ġ")
+            ok = pred[t - 1] == ids[t]
+            kinds[where, "right" if ok else "another instruction name" if guess in in_instruction
+                  else "a name not in the instruction" if guess in names else "not a name"] += 1
+            if where == "comment":
+                number = re.match(r"#\s*(\d+)\.", line)
+                cell = by_line[number.group(1) if number else "-"]
+                cell[0] += ok
+                cell[1] += 1
+                place = by_place[sum(toks[i].lstrip("Ġ") in names for i in range(start, t))]
+                place[0] += ok
+                place[1] += 1
+    return {"kinds": {f"{w}: {k}": n for (w, k), n in sorted(kinds.items())},
+            "comment_by_instruction_line": {k: v for k, v in sorted(by_line.items())},
+            "comment_by_place_in_line": {str(k): v for k, v in sorted(by_place.items())}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="minirsi/presets/toy-base", help="a Base (or any actor) directory")
+    ap.add_argument("--sessions", type=int, default=256, help="held-out sessions (pretrain's val_sessions)")
+    ap.add_argument("--seed", type=int, default=0, help="the pretrain seed; sessions use seed + 1,000,003")
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--json", action="store_true", help="print the tallies as JSON")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, tok = load_actor(args.model)
+    model.eval()
+    out = tally(model, tok, pretrain.corpus_sessions(args.sessions, args.seed + 1_000_003), args.max_len)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    for k, n in out["kinds"].items():
+        print(f"{k:45s} {n}")
+    for title, key in (("comment names by the instruction line they restate", "comment_by_instruction_line"),
+                       ("comment names by their place in the line", "comment_by_place_in_line")):
+        print(title + ": " + ", ".join(f"{k}: {a}/{b} = {a / b:.2f}" for k, (a, b) in out[key].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
