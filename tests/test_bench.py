@@ -59,3 +59,17 @@ def test_names_bench_counts_what_pretrain_measures():
     assert right / total == pytest.approx(want["name_accuracy"], abs=1e-9)
     comment = sum(n for k, n in got["kinds"].items() if k.startswith("comment"))
     assert sum(b for _, b in got["comment_by_instruction_line"].values()) == comment
+
+
+@pytest.mark.timeout(600)
+def test_groups_bench_counts_every_group_once(tmp_path: Path):
+    generate_toy_suites(tmp_path / "tasks", ["train"], {"train": 12}, seed=0)
+    proc = _bench("groups.py", "--actor", str(BASE), "--tasks", str(tmp_path / "tasks" / "train"), "--n-tasks", "3",
+                  "--group", "2", "--temperatures", "1,0", "--preset", "smoke", "--json")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["temperature"] for r in rows] == [1.0, 0.0]
+    for r in rows:
+        assert sum(r["by_successes"].values()) == r["groups"] == 3
+        assert r["mixed"] == r["by_successes"]["1"]
+        assert r["success"] == pytest.approx((r["by_successes"]["1"] + 2 * r["by_successes"]["2"]) / 6)
+    assert rows[1]["mixed"] == 0  # greedy: a task's two samples are the same episode
