@@ -65,14 +65,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="minirsi/presets/toy-base", help="a Base (or any actor) directory")
     ap.add_argument("--sessions", type=int, default=256, help="held-out sessions (pretrain's val_sessions)")
-    ap.add_argument("--seed", type=int, default=0, help="the pretrain seed; sessions use seed + 1,000,003")
+    ap.add_argument("--seed", type=int, default=0, help="the pretrain seed the held-out sessions derive from")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--json", action="store_true", help="print the tallies as JSON")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_actor(args.model)
     model.eval()
-    out = tally(model, tok, pretrain.corpus_sessions(args.sessions, args.seed + 1_000_003), args.max_len)
+    cfg = pretrain.PretrainConfig(val_sessions=args.sessions, seed=args.seed, max_len=args.max_len)
+    out = tally(model, tok, pretrain.held_out_sessions(cfg), cfg.max_len)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0

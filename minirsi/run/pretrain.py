@@ -161,6 +161,12 @@ def corpus_sessions(n: int, seed: int) -> list[Any]:
     return list(corpus.sessions(n, seed=seed))
 
 
+def held_out_sessions(cfg: PretrainConfig) -> list[Any]:
+    """The ``val_sessions`` corpus sessions that name accuracy and the held-out loss are measured
+    on: another seed (``seed + 1,000,003``) than the training corpus."""
+    return corpus_sessions(cfg.val_sessions, cfg.seed + 1_000_003)
+
+
 def name_words() -> frozenset[str]:
     """The words a toy task's names are made of (file stems, directories, fruits, git names)."""
     from toy_envs import words
@@ -279,9 +285,9 @@ def evaluate(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pa
 
 
 def held_out_name_accuracy(model: torch.nn.Module, tokenizer: Any, cfg: PretrainConfig) -> dict:
-    """``evaluate`` on the held-out sessions ``cfg`` names (``val_sessions``, seed + 1,000,003),
-    rendered with ``tokenizer``: recomputes a saved Base's recorded name accuracy."""
-    rows = [actions.render_session(tokenizer, s)[:2] for s in corpus_sessions(cfg.val_sessions, cfg.seed + 1_000_003)]
+    """``evaluate`` on the held-out sessions ``cfg`` names (``held_out_sessions``), rendered with
+    ``tokenizer``: recomputes a saved Base's recorded name accuracy."""
+    rows = [actions.render_session(tokenizer, s)[:2] for s in held_out_sessions(cfg)]
     rows = [r for r in rows if len(r[0]) <= cfg.max_len]
     names = name_words()
     return evaluate(model, rows, tokenizer.pad_token_id, cfg.batch_size,
@@ -338,7 +344,7 @@ def _pretrain(
     if sessions is None:
         sessions = corpus_sessions(cfg.sessions, cfg.seed)
     if val is None:
-        val = corpus_sessions(cfg.val_sessions, cfg.seed + 1_000_003) if cfg.val_sessions else []
+        val = held_out_sessions(cfg) if cfg.val_sessions else []
     tokenizer = build_tokenizer([session_text(s) for s in sessions], vocab_size=cfg.vocab_size)
     pad_id = tokenizer.pad_token_id
 
