@@ -3,7 +3,8 @@
 RPR trains on the groups of ``samples_per_task`` episodes of a task that hold a success and a
 failure (``drop_uniform_groups``); a near-deterministic actor gives few. This draws ``--tasks``
 tasks of a folder uniformly (seeded), samples each ``--group`` times at every temperature, and
-prints success, the mixed groups, and the groups by their count of successes. No training.
+prints success, the mixed groups (RPR's own ``uniform_groups`` test), and the groups by their
+count of successes. No training.
 
     python3 bench/groups.py --actor RUN/stages/01-rsr1/actor --tasks RUN/tasks/train --temperatures 1,1.25,1.5,2
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from minirsi.config import load_config
+from minirsi.core.rpr import uniform_groups
 from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_rollout_fn
 from minirsi.run.config import RunConfig, resolve_preset
@@ -55,7 +57,7 @@ def main() -> int:
             wins[e.task_id] += bool(e.success)
         by_count = collections.Counter(wins[t.task_id] for t in pool)
         row = {"temperature": tau, "success": sum(e.success for e in episodes) / len(episodes),
-               "groups": len(pool), "mixed": sum(n for k, n in by_count.items() if 0 < k < args.group),
+               "groups": len(pool), "mixed": len(pool) - len(uniform_groups(episodes)),
                "by_successes": {str(k): by_count[k] for k in range(args.group + 1)}, "seconds": time.time() - t0}
         if args.json:
             print(json.dumps(row), flush=True)
