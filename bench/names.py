@@ -4,8 +4,10 @@ corpus sessions that ``minirsi pretrain`` measures name accuracy on.
 Each name token of an action (``pretrain.name_positions``) is counted on the line it sits on: a
 comment (``# 2. Copy ...``, restating an instruction line) or a command (copying the comment
 one line up). A wrong prediction is another name of the same instruction, a name the
-instruction does not hold, or not a name. Comment names are also split by the instruction line
-they restate and by their place in the line.
+instruction does not hold, or not a name. Comment names are also split by the numbered comment
+before them (none; the same instruction line again, as the demonstrator writes on a fix or a
+repeat; or a new line), by the instruction line they restate and by their place in the line; a
+wrong name on a new line is also checked against the previous comment's names.
 
     python3 bench/names.py --model minirsi/presets/toy-base
 """
@@ -17,6 +19,7 @@ import collections
 import json
 import re
 import sys
+from pathlib import Path
 
 import torch
 
@@ -28,6 +31,8 @@ from minirsi.run import pretrain
 def tally(model, tok, sessions, max_len: int) -> dict:
     names = pretrain.name_words()
     kinds: collections.Counter = collections.Counter()
+    by_prev: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    from_prev = [0, 0]  # wrong comment names that are a name of the previous comment: again, new line
     by_line: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     by_place: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
     for s in sessions:
@@ -50,6 +55,16 @@ def tally(model, tok, sessions, max_len: int) -> dict:
                   else "a name not in the instruction" if guess in names else "not a name"] += 1
             if where == "comment":
                 number = re.match(r"#\s*(\d+)\.", line)
+                # the numbered comment before this one: the same instruction line again, or another
+                before = [x for x in tok.decode(ids[:start]).splitlines() if re.match(r"#\s*\d+\.", x)]
+                prev = before[-1] if before else ""
+                again = bool(number and prev) and re.match(r"#\s*(\d+)\.", prev).group(1) == number.group(1)
+                cell = by_prev["first numbered comment" if not prev else "the previous comment's line again"
+                               if again else "a new line"]
+                cell[0] += ok
+                cell[1] += 1
+                if not ok and guess in set(re.findall(r"[a-z]+", prev)) & names:
+                    from_prev[not again] += 1
                 cell = by_line[number.group(1) if number else "-"]
                 cell[0] += ok
                 cell[1] += 1
@@ -57,13 +72,16 @@ def tally(model, tok, sessions, max_len: int) -> dict:
                 place[0] += ok
                 place[1] += 1
     return {"kinds": {f"{w}: {k}": n for (w, k), n in sorted(kinds.items())},
+            "comment_by_previous_comment": {k: v for k, v in sorted(by_prev.items())},
+            "wrong_new_line_names_from_the_previous_comment": from_prev[1],
             "comment_by_instruction_line": {k: v for k, v in sorted(by_line.items())},
             "comment_by_place_in_line": {str(k): v for k, v in sorted(by_place.items())}}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="minirsi/presets/toy-base", help="a Base (or any actor) directory")
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "minirsi" / "presets" / "toy-base"),
+                    help="a Base (or any actor) directory (default: the shipped Base)")
     ap.add_argument("--sessions", type=int, default=256, help="held-out sessions (pretrain's val_sessions)")
     ap.add_argument("--seed", type=int, default=0, help="the pretrain seed the held-out sessions derive from")
     ap.add_argument("--max-len", type=int, default=1024)
@@ -79,7 +97,10 @@ def main() -> int:
         return 0
     for k, n in out["kinds"].items():
         print(f"{k:45s} {n}")
-    for title, key in (("comment names by the instruction line they restate", "comment_by_instruction_line"),
+    print(f"{'comment, a new line: wrong, a name of the previous comment':45s} "
+          f"{out['wrong_new_line_names_from_the_previous_comment']}")
+    for title, key in (("comment names by the comment before them", "comment_by_previous_comment"),
+                       ("comment names by the instruction line they restate", "comment_by_instruction_line"),
                        ("comment names by their place in the line", "comment_by_place_in_line")):
         print(title + ": " + ", ".join(f"{k}: {a}/{b} = {a / b:.2f}" for k, (a, b) in out[key].items()))
     return 0

@@ -59,6 +59,23 @@ def test_names_bench_counts_what_pretrain_measures():
     assert right / total == pytest.approx(want["name_accuracy"], abs=1e-9)
     comment = sum(n for k, n in got["kinds"].items() if k.startswith("comment"))
     assert sum(b for _, b in got["comment_by_instruction_line"].values()) == comment
+    assert sum(b for _, b in got["comment_by_previous_comment"].values()) == comment
+    # the names of comments that restate the line the previous numbered comment restated,
+    # counted from the sessions' text
+    import re
+
+    from minirsi.run.pretrain import held_out_sessions, name_words
+
+    again, words = 0, name_words()
+    for s in held_out_sessions(PretrainConfig(val_sessions=12, seed=0)):
+        prev = None
+        for t in s.turns:
+            m = re.match(r"#\s*(\d+)\.", t.commands)
+            if m:
+                if m.group(1) == prev:
+                    again += sum(w in words for w in re.findall(r"[a-z]+", t.commands.split("\n")[0]))
+                prev = m.group(1)
+    assert got["comment_by_previous_comment"]["the previous comment's line again"][1] == again > 0
 
 
 @pytest.mark.timeout(600)
