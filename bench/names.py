@@ -28,11 +28,15 @@ from minirsi.engine.models import load_actor
 from minirsi.run import pretrain
 
 
+NUMBERED = re.compile(r"#\s*(\d+)\.")
+"""A comment restating a numbered instruction line (``# 2. Copy ...``); group 1 is the number."""
+
+
 def tally(model, tok, sessions, max_len: int) -> dict:
     names = pretrain.name_words()
     kinds: collections.Counter = collections.Counter()
     by_prev: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    from_prev = [0, 0]  # wrong comment names that are a name of the previous comment: again, new line
+    new_line_from_prev = 0  # wrong names of a comment on a new line that are a name of the previous comment
     by_line: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     by_place: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
     for s in sessions:
@@ -43,6 +47,7 @@ def tally(model, tok, sessions, max_len: int) -> dict:
             pred = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).tolist()
         toks = tok.convert_ids_to_tokens(ids)
         in_instruction = set(re.findall(r"[a-z]+", s.instruction)) & names
+        prev_of: dict[int, str] = {}  # line start -> the numbered comment line before it ("" if none)
         for t in pretrain.name_positions(tok, ids, mask, names):
             start = t
             while start > 0 and not toks[start - 1].endswith("Ċ"):
@@ -54,26 +59,24 @@ def tally(model, tok, sessions, max_len: int) -> dict:
             kinds[where, "right" if ok else "another instruction name" if guess in in_instruction
                   else "a name not in the instruction" if guess in names else "not a name"] += 1
             if where == "comment":
-                number = re.match(r"#\s*(\d+)\.", line)
+                number = NUMBERED.match(line)
                 # the numbered comment before this one: the same instruction line again, or another
-                before = [x for x in tok.decode(ids[:start]).splitlines() if re.match(r"#\s*\d+\.", x)]
-                prev = before[-1] if before else ""
-                again = bool(number and prev) and re.match(r"#\s*(\d+)\.", prev).group(1) == number.group(1)
-                cell = by_prev["first numbered comment" if not prev else "the previous comment's line again"
-                               if again else "a new line"]
-                cell[0] += ok
-                cell[1] += 1
-                if not ok and guess in set(re.findall(r"[a-z]+", prev)) & names:
-                    from_prev[not again] += 1
-                cell = by_line[number.group(1) if number else "-"]
-                cell[0] += ok
-                cell[1] += 1
-                place = by_place[sum(toks[i].lstrip("Ġ") in names for i in range(start, t))]
-                place[0] += ok
-                place[1] += 1
+                if start not in prev_of:
+                    before = [x for x in tok.decode(ids[:start]).splitlines() if NUMBERED.match(x)]
+                    prev_of[start] = before[-1] if before else ""
+                prev = prev_of[start]
+                again = bool(number and prev) and NUMBERED.match(prev).group(1) == number.group(1)
+                if not ok and not again and guess in set(re.findall(r"[a-z]+", prev)) & names:
+                    new_line_from_prev += 1
+                for cell in (by_prev["first numbered comment" if not prev else "the previous comment's line again"
+                                     if again else "a new line"],
+                             by_line[number.group(1) if number else "-"],
+                             by_place[sum(toks[i].lstrip("Ġ") in names for i in range(start, t))]):
+                    cell[0] += ok
+                    cell[1] += 1
     return {"kinds": {f"{w}: {k}": n for (w, k), n in sorted(kinds.items())},
             "comment_by_previous_comment": {k: v for k, v in sorted(by_prev.items())},
-            "wrong_new_line_names_from_the_previous_comment": from_prev[1],
+            "wrong_new_line_names_from_the_previous_comment": new_line_from_prev,
             "comment_by_instruction_line": {k: v for k, v in sorted(by_line.items())},
             "comment_by_place_in_line": {str(k): v for k, v in sorted(by_place.items())}}
 
