@@ -7,7 +7,10 @@ one line up). A wrong prediction is another name of the same instruction, a name
 instruction does not hold, or not a name. Comment names are also split by the numbered comment
 before them (none; the same instruction line again, as the demonstrator writes on a fix or a
 repeat; or a new line), by the instruction line they restate and by their place in the line; a
-wrong name on a new line is also checked against the previous comment's names.
+wrong name on a new line is also checked against the previous comment's names. Last, each
+comment name is split by what the token before it points to (``word_before``): a head that
+copies what followed that token's earlier occurrences (an induction head) finds only this name,
+finds another token too, or finds nothing.
 
     python3 bench/names.py --model minirsi/presets/toy-base
 """
@@ -32,6 +35,15 @@ NUMBERED = re.compile(r"#\s*(\d+)\.")
 """A comment restating a numbered instruction line (``# 2. Copy ...``); group 1 is the number."""
 
 
+def word_before(ids: list[int], t: int, start: int) -> str:
+    """What the token before name ``t`` points to in ``ids[:start]`` (the context before its
+    line): "only this name" when every earlier occurrence of ``ids[t - 1]`` is followed by
+    ``ids[t]``, "another token too" when one is followed by something else, "nothing" when it
+    does not occur."""
+    after = {ids[u] for u in range(1, start) if ids[u - 1] == ids[t - 1]}
+    return "nothing" if not after else "only this name" if after == {ids[t]} else "another token too"
+
+
 def tally(model, tok, sessions, max_len: int) -> dict:
     names = pretrain.name_words()
     kinds: collections.Counter = collections.Counter()
@@ -39,6 +51,7 @@ def tally(model, tok, sessions, max_len: int) -> dict:
     new_line_from_prev = 0  # wrong names of a comment on a new line that are a name of the previous comment
     by_line: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     by_place: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
+    by_word: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for s in sessions:
         ids, mask = actions.render_session(tok, s)[:2]
         if len(ids) > max_len:
@@ -68,8 +81,9 @@ def tally(model, tok, sessions, max_len: int) -> dict:
                 again = bool(number and prev) and NUMBERED.match(prev).group(1) == number.group(1)
                 if not ok and not again and guess in set(re.findall(r"[a-z]+", prev)) & names:
                     new_line_from_prev += 1
-                for cell in (by_prev["first numbered comment" if not prev else "the previous comment's line again"
-                                     if again else "a new line"],
+                kind = "first numbered comment" if not prev else "the previous comment's line again" if again \
+                    else "a new line"
+                for cell in (by_prev[kind], by_word[f"{kind}; the token before points to {word_before(ids, t, start)}"],
                              by_line[number.group(1) if number else "-"],
                              by_place[sum(toks[i].lstrip("Ġ") in names for i in range(start, t))]):
                     cell[0] += ok
@@ -78,7 +92,8 @@ def tally(model, tok, sessions, max_len: int) -> dict:
             "comment_by_previous_comment": {k: v for k, v in sorted(by_prev.items())},
             "wrong_new_line_names_from_the_previous_comment": new_line_from_prev,
             "comment_by_instruction_line": {k: v for k, v in sorted(by_line.items())},
-            "comment_by_place_in_line": {str(k): v for k, v in sorted(by_place.items())}}
+            "comment_by_place_in_line": {str(k): v for k, v in sorted(by_place.items())},
+            "comment_by_previous_comment_and_word_before": {k: v for k, v in sorted(by_word.items())}}
 
 
 def main() -> int:
@@ -104,7 +119,9 @@ def main() -> int:
           f"{out['wrong_new_line_names_from_the_previous_comment']}")
     for title, key in (("comment names by the comment before them", "comment_by_previous_comment"),
                        ("comment names by the instruction line they restate", "comment_by_instruction_line"),
-                       ("comment names by their place in the line", "comment_by_place_in_line")):
+                       ("comment names by their place in the line", "comment_by_place_in_line"),
+                       ("comment names by the comment before them and what the token before them points to",
+                        "comment_by_previous_comment_and_word_before")):
         print(title + ": " + ", ".join(f"{k}: {a}/{b} = {a / b:.2f}" for k, (a, b) in out[key].items()))
     return 0
 

@@ -60,6 +60,7 @@ def test_names_bench_counts_what_pretrain_measures():
     comment = sum(n for k, n in got["kinds"].items() if k.startswith("comment"))
     assert sum(b for _, b in got["comment_by_instruction_line"].values()) == comment
     assert sum(b for _, b in got["comment_by_previous_comment"].values()) == comment
+    assert sum(b for _, b in got["comment_by_previous_comment_and_word_before"].values()) == comment
     # the names of comments that restate the line the previous numbered comment restated,
     # counted from the sessions' text
     import re
@@ -76,6 +77,21 @@ def test_names_bench_counts_what_pretrain_measures():
                     again += sum(w in words for w in re.findall(r"[a-z]+", t.commands.split("\n")[0]))
                 prev = m.group(1)
     assert got["comment_by_previous_comment"]["the previous comment's line again"][1] == again > 0
+
+
+def test_names_bench_word_before_is_what_an_induction_head_would_find():
+    """``word_before``: what followed the name's previous token earlier in the context."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("names_bench", Path(__file__).parents[1] / "bench" / "names.py")
+    names = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(names)
+    #      0  1  2  3  4  5 | 6  7   (the line starts at 6; name at 7, the token before it is 5)
+    ids = [9, 5, 1, 5, 1, 5, 5, 1]
+    assert names.word_before(ids, 7, 6) == "only this name"  # 5 -> 1 at 2 and 4 (5 at 5 is followed by the line)
+    assert names.word_before(ids, 7, 7) == "another token too"  # 5 -> 5 at 6 as well
+    assert names.word_before([9, 4, 5, 1], 3, 3) == "nothing"  # 5 occurs only right before the name
+    assert names.word_before([5, 2, 7, 5, 1], 4, 3) == "another token too"  # 5 -> 2 at 1
 
 
 @pytest.mark.timeout(600)
