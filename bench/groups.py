@@ -27,7 +27,7 @@ from minirsi.core.rpr import uniform_groups
 from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_rollout_fn
 from minirsi.run.config import RunConfig, resolve_preset
-from minirsi.run.evaluate import load_suites
+from minirsi.run.evaluate import load_suite
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
     torch.set_num_threads(1)
     cfg = load_config(RunConfig, resolve_preset(args.preset), [])
     root = Path(args.tasks)
-    tasks = load_suites(root.parent, [root.name])[root.name]
+    tasks = load_suite(root)
     pool = random.Random(5).sample(tasks, min(args.n_tasks, len(tasks)))
     actor, tok = load_actor(args.actor)
     actor.eval().requires_grad_(False)

@@ -30,7 +30,7 @@ from minirsi.core.rpr import run_rpr, score
 from minirsi.core.rsr import sample_tasks
 from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_rollout_fn
-from minirsi.run.evaluate import load_suites
+from minirsi.run.evaluate import load_suite
 from minirsi.run.config import RunConfig, resolve_preset
 from minirsi.run.stages import calibrate_scales
 
@@ -79,7 +79,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config(RunConfig, resolve_preset(args.preset), args.overrides)
     root = Path(args.tasks)
-    tasks = load_suites(root.parent, [root.name])[root.name]
+    tasks = load_suite(root)
     actor, tok = load_actor(args.actor)
     rollout_fn = make_rollout_fn(tok, cfg.rollout, progress=False)
     pool, measured = pick_pool(tasks, args, rollout_fn, actor)

@@ -27,7 +27,7 @@ from minirsi.config import load_config
 from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_rollout_fn
 from minirsi.run.config import RunConfig
-from minirsi.run.evaluate import load_suites, paired_by
+from minirsi.run.evaluate import load_suite, paired_by
 from minirsi.run.report import DIFFICULTIES
 
 
@@ -50,7 +50,7 @@ def main() -> int:
         return 2
     torch.set_num_threads(args.threads)
     cfg = load_config(RunConfig, run / "config.yaml", [])
-    tasks = load_suites(run / "tasks", ["train"])["train"]
+    tasks = load_suite(run / "tasks" / "train")
     difficulty = {t.task_id: t.difficulty for t in tasks}
     episodes = {}
     for name, path in actors.items():

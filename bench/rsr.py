@@ -31,7 +31,7 @@ from minirsi.engine.models import load_actor, save_actor
 from minirsi.engine.rollout import make_replay_fn, make_rollout_fn
 from minirsi.engine.sampler import HFSampler
 from minirsi.run import failures
-from minirsi.run.evaluate import load_suites, paired_by
+from minirsi.run.evaluate import load_suite, paired_by
 from minirsi.run.config import RunConfig, resolve_preset
 from minirsi.run.rundir import stage_seed
 
@@ -74,7 +74,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config(RunConfig, resolve_preset(args.preset), args.overrides)
     root = Path(args.tasks)
-    tasks = load_suites(root.parent, [root.name])[root.name]
+    tasks = load_suite(root)
     actor, tok = load_actor(args.actor)
     rollout_fn = make_rollout_fn(tok, cfg.rollout, progress=False)
     probe = tasks[: args.measure]

@@ -181,23 +181,26 @@ def evaluate(
 
 def load_suites(root: str | Path, names: Sequence[str]) -> dict[str, list[Any]]:
     """Load ``root/<name>/`` for each suite name; a missing or empty suite is an error."""
+    return {name: load_suite(Path(root) / name) for name in names}
+
+
+def load_suite(d: str | Path) -> list[Any]:
+    """The tasks of one folder of task directories (a suite: its name is the folder's); a missing
+    folder or one with no valid task is an error, an invalid task is skipped with a warning."""
     from minirsi.env.tasks import load_tasks
 
-    suites: dict[str, list[Any]] = {}
-    for name in names:
-        d = Path(root) / name
-        if not d.is_dir():
-            raise ValueError(
-                f"suite '{name}': no task directory {d}; generate the toy suites "
-                f"(leave --tasks empty) or point --tasks at a directory with a '{name}/' folder"
-            )
-        tasks, errors = load_tasks(d)
-        for err in errors:
-            logger.warning("skipping a task of suite %s: %s", name, err)
-        if not tasks:
-            raise ValueError(f"suite '{name}': {d} holds no valid task ({len(errors)} rejected)")
-        suites[name] = tasks
-    return suites
+    d = Path(d)
+    if not d.is_dir():
+        raise ValueError(
+            f"suite '{d.name}': no task directory {d}; generate the toy suites "
+            f"(leave --tasks empty) or point --tasks at a directory with a '{d.name}/' folder"
+        )
+    tasks, errors = load_tasks(d)
+    for err in errors:
+        logger.warning("skipping a task of suite %s: %s", d.name, err)
+    if not tasks:
+        raise ValueError(f"suite '{d.name}': {d} holds no valid task ({len(errors)} rejected)")
+    return tasks
 
 
 def generate_toy_suites(root: str | Path, names: Sequence[str], sizes: Mapping[str, int] | None = None, seed: int = 0) -> None:

@@ -38,7 +38,7 @@ from minirsi.engine.rollout import make_replay_fn, make_rollout_fn
 from minirsi.engine.sampler import HFSampler
 from minirsi.engine.weight_sync import serving_sync, sharded_push
 from minirsi.env.verifier import static_checks
-from minirsi.run.evaluate import evaluate, generate_toy_suites, load_suites
+from minirsi.run.evaluate import evaluate, generate_toy_suites, load_suite
 from minirsi.run.config import RunConfig
 from minirsi.run.pretrain import PretrainConfig, config_hash, pretrain
 from minirsi.run.rundir import RunDir, StageInputs, StageSpec, stage_seed
@@ -154,7 +154,7 @@ class RecipeRunner:
 
     def tasks(self, cfg: RunConfig, run_: RunDir, suite: str) -> list[Any]:
         if suite not in self._tasks:
-            self._tasks[suite] = load_suites(self.task_root(cfg, run_), [suite])[suite]
+            self._tasks[suite] = load_suite(self.task_root(cfg, run_) / suite)
         return self._tasks[suite]
 
     def setup(self, cfg: RunConfig, run_: RunDir) -> None:
