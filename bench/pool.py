@@ -28,7 +28,7 @@ from minirsi.engine.models import load_actor
 from minirsi.engine.rollout import make_rollout_fn
 from minirsi.run.config import RunConfig
 from minirsi.run.evaluate import load_suite, paired_by
-from minirsi.run.report import DIFFICULTIES
+from minirsi.run.report import difficulty_order
 
 
 def main() -> int:
@@ -62,8 +62,7 @@ def main() -> int:
         s = sum(e.success for e in episodes[name]) / len(episodes[name])
         print(f"{name}: {100 * s:.1f}% of {len(episodes[name])} episodes ({time.time() - t0:.0f} s)", flush=True)
     before, after = episodes[args.before], episodes[args.after]
-    present = set(difficulty.values())
-    order = [d for d in DIFFICULTIES if d in present] + sorted(present - set(DIFFICULTIES))
+    order = difficulty_order(set(difficulty.values()))
     rows = paired_by(before, after, {"all": lambda t: True,
                                      **{d: (lambda t, d=d: difficulty[t] == d) for d in order}})
     for name, r in rows.items():

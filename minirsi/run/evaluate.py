@@ -43,10 +43,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from minirsi.core.episode import Episode
 from minirsi.run import failures
+from minirsi.run.report import difficulty_order
 
 logger = logging.getLogger(__name__)
 
-DIFFICULTIES = ("easy", "medium", "hard", "extreme")
 LONG_SUITES = ("long",)
 """Suites that also report process reward and strict completion (the paper's LHTB)."""
 
@@ -64,7 +64,7 @@ def summarise(episodes: Sequence[Episode], k: int, long_horizon: bool = False) -
     by_diff: dict[str, list[float]] = defaultdict(list)
     for t, eps in by_task.items():
         by_diff[eps[0].difficulty].append(task_score[t])
-    order = [d for d in DIFFICULTIES if d in by_diff] + sorted(set(by_diff) - set(DIFFICULTIES))
+    order = difficulty_order(by_diff)
     mean, stderr = _mean_and_stderr(list(task_score.values()))
     out: dict[str, Any] = {
         f"mean_at_{k}": mean,

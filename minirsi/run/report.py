@@ -36,6 +36,12 @@ from typing import Any, Mapping, Sequence
 logger = logging.getLogger(__name__)
 
 DIFFICULTIES = ("easy", "medium", "hard", "extreme")
+
+
+def difficulty_order(names) -> list[str]:
+    """The difficulties among ``names`` in DIFFICULTIES order, then any others sorted."""
+    return [d for d in DIFFICULTIES if d in names] + sorted(set(names) - set(DIFFICULTIES))
+
 SIGNALS = (
     ("dense_reward", "dense reward (FDR)"),
     ("binary_reward", "binary reward (S)"),
@@ -171,8 +177,7 @@ def pooled_by_difficulty(by_suite: Mapping[str, Any]) -> dict[str, float]:
             n = int(counts.get(d, 1))
             num[d] = num.get(d, 0.0) + v * n
             den[d] = den.get(d, 0) + n
-    order = [d for d in DIFFICULTIES if d in num] + sorted(set(num) - set(DIFFICULTIES))
-    return {d: num[d] / den[d] for d in order}
+    return {d: num[d] / den[d] for d in difficulty_order(num)}
 
 
 def difficulty_table(results: Mapping[str, Any], labels: Mapping[str, str] | None = None) -> str:
@@ -181,10 +186,7 @@ def difficulty_table(results: Mapping[str, Any], labels: Mapping[str, str] | Non
         return "(no stage has been evaluated yet)"
     labels = labels or {n: DEFAULT_LABELS.get(n, n) for n in results}
     pooled = {s: pooled_by_difficulty(r) for s, r in results.items()}
-    diffs: list[str] = []
-    for p in pooled.values():
-        diffs += [d for d in p if d not in diffs]
-    diffs = [d for d in DIFFICULTIES if d in diffs] + [d for d in diffs if d not in DIFFICULTIES]
+    diffs = difficulty_order({d for p in pooled.values() for d in p})
     first = next(iter(results.values()))
     n = {d: sum(int(r.get("n_by_difficulty", {}).get(d, 0)) for r in first.values()) for d in diffs}
     head = [f"{d} (n={n[d]})" if n[d] else d for d in diffs]
