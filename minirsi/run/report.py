@@ -36,12 +36,6 @@ from typing import Any, Mapping, Sequence
 logger = logging.getLogger(__name__)
 
 DIFFICULTIES = ("easy", "medium", "hard", "extreme")
-
-
-def difficulty_order(names) -> list[str]:
-    """The difficulties among ``names`` in DIFFICULTIES order, then any others sorted."""
-    return [d for d in DIFFICULTIES if d in names] + sorted(set(names) - set(DIFFICULTIES))
-
 SIGNALS = (
     ("dense_reward", "dense reward (FDR)"),
     ("binary_reward", "binary reward (S)"),
@@ -53,6 +47,11 @@ SIGNALS = (
 DEFAULT_LABELS = {"base": "Base", "rsr1": "RSR-1", "rpr1": "RPR-1", "rsr2": "RSR-2", "rpr2": "RPR-2",
                   "direct_ppo": "Direct PPO", "rpr2_critic_reset": "RPR-2, critic reset",
                   "rpr1_token_gae": "RPR-1, per-token GAE", "warmup": "Warm-up critic"}
+
+
+def difficulty_order(names) -> list[str]:
+    """The difficulties among ``names`` in DIFFICULTIES order, then any others sorted."""
+    return [d for d in DIFFICULTIES if d in names] + sorted(set(names) - set(DIFFICULTIES))
 
 
 def _k_of(results: Mapping[str, Any]) -> int:
