@@ -57,41 +57,37 @@ def test_names_bench_counts_what_pretrain_measures():
     want = held_out_name_accuracy(model.eval(), tok, PretrainConfig(val_sessions=12, seed=0))
     assert total == want["name_tokens"] and total > 0
     assert right / total == pytest.approx(want["name_accuracy"], abs=1e-9)
-    comment = sum(n for k, n in got["kinds"].items() if k.startswith("comment"))
-    assert sum(b for _, b in got["comment_by_instruction_line"].values()) == comment
-    assert sum(b for _, b in got["comment_by_previous_comment"].values()) == comment
-    assert sum(b for _, b in got["comment_by_previous_comment_and_word_before"].values()) == comment
-    # the names of comments that restate the line the previous numbered comment restated,
+    assert sum(b for _, b in got["by_source"].values()) == total
+    # the names of commands right after a step's line was printed that stand on that line,
     # counted from the sessions' text
     import re
 
     from minirsi.run.pretrain import held_out_sessions, name_words
 
-    again, words = 0, name_words()
+    on_line, words = 0, name_words()
     for s in held_out_sessions(PretrainConfig(val_sessions=12, seed=0)):
-        prev = None
-        for t in s.turns:
-            m = re.match(r"#\s*(\d+)\.", t.commands)
-            if m:
-                if m.group(1) == prev:
-                    again += sum(w in words for w in re.findall(r"[a-z]+", t.commands.split("\n")[0]))
-                prev = m.group(1)
-    assert got["comment_by_previous_comment"]["the previous comment's line again"][1] == again > 0
+        for a, b in zip(s.turns, s.turns[1:]):
+            if a.command.startswith("sed -n "):
+                said = set(re.findall(r"[a-z]+", a.output))
+                on_line += sum(w in words and w in said for w in re.findall(r"[a-z]+", b.command))
+    assert got["by_source"]["the step's line just above"][1] == on_line > 0
 
 
-def test_names_bench_word_before_is_what_an_induction_head_would_find():
-    """``word_before``: what followed the name's previous token earlier in the context."""
+def test_names_bench_source_is_where_the_name_stands():
+    """``source``: where a name stands in the context before it."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("names_bench", Path(__file__).parents[1] / "bench" / "names.py")
     names = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(names)
-    #      0  1  2  3  4  5 | 6  7   (the line starts at 6; name at 7, the token before it is 5)
-    ids = [9, 5, 1, 5, 1, 5, 5, 1]
-    assert names.word_before(ids, 7, 6) == "only this name"  # 5 -> 1 at 2 and 4 (5 at 5 is followed by the line)
-    assert names.word_before(ids, 7, 7) == "another token too"  # 5 -> 5 at 6 as well
-    assert names.word_before([9, 4, 5, 1], 3, 3) == "nothing"  # 5 occurs only right before the name
-    assert names.word_before([5, 2, 7, 5, 1], 4, 3) == "another token too"  # 5 -> 2 at 1
+    head = "Do the 2 numbered steps in steps.txt.\n```bash\nls\n```\ncat.txt\n[exit 0]\n"
+    read = "```bash\nsed -n 1p steps.txt\n```\n1. Copy cat.txt to dog.txt.\n[exit 0]\n"
+    assert names.source("dog", head + read + "```bash\ncp cat.txt ") == "the step's line just above"
+    assert names.source("cat", head + read + "```bash\ncp cat.txt dog.txt && rm ") == "this block"
+    assert names.source("cat", head + "```bash\n") == "another output just above"
+    assert names.source("cat", head + read + "```bash\ncp cat.txt dog.txt\n```\n[exit 0]\n```bash\n") == "further up"
+    assert names.source("dog", head + "```bash\n") == "nowhere"
+    assert names.source("cat", head + "```bash\ncp bobcat.txt ") == "another output just above"  # not inside a word
 
 
 @pytest.mark.timeout(600)

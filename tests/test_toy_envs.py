@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import toy_envs
 from toy_envs import corpus, obstacles
-from toy_envs.base import DIFFICULTIES, build_instance, write_task
+from toy_envs.base import DIFFICULTIES, build_instance, read_step, write_task
 from toy_envs.families import FAMILIES, TRAIN_FAMILIES, UNSEEN_FAMILIES
 from toy_envs.suites import SAMPLES, content_key, split_of, suite_instances
 
@@ -248,9 +248,15 @@ def test_corpus_sessions_are_well_formed_and_deterministic():
         for t in s.turns:
             assert isinstance(t, corpus.Turn) and isinstance(t.commands, str) and t.commands.strip()
             assert isinstance(t.output, str) and isinstance(t.exit_code, int)
-            note, command = t.commands.split("\n")  # a comment restating the step, one command
-            assert note.startswith("# ") and note[2:] in (s.instruction + corpus.LOOK).replace(".\n", ".\n")
-            assert "\n" not in command and command == t.command
+            assert "\n" not in t.commands and t.commands == t.command  # one command a block
+        # each step's line is printed (sed -n Kp steps.txt) once, in order, before its commands
+        inst = build_instance(FAMILIES[s.key[0]], *s.key[1:])
+        reads = [(i, t) for i, t in enumerate(s.turns) if t.command.startswith("sed -n ")]
+        assert [t.command for _, t in reads] == [read_step(k + 1) for k in range(len(reads))]
+        assert [t.output for _, t in reads] == [line + "\n" for line in inst.lines[:len(reads)]]
+        assert len(reads) >= len(inst.lines) - 1 and (len(reads) == len(inst.lines) or "stop_early" in s.defects)
+        for i, t in reads:
+            assert i + 1 < len(s.turns) and not s.turns[i + 1].command.startswith("sed -n ")
         if not s.defects:
             assert s.solved and all(t.exit_code == 0 for t in s.turns)
         assert s.solved == all(d == "retry" or d.endswith(":recover") for d in s.defects)
@@ -315,9 +321,9 @@ def test_a_session_without_defects_is_the_oracle():
     for s in corpus.sessions(300, seed=2, explore=0.0):
         if not s.defects:
             inst = build_instance(FAMILIES[s.key[0]], *s.key[1:])
-            assert [t.command for t in s.turns] == inst.solution and s.instruction == inst.instruction
-            assert [t.commands.split("\n")[0] for t in s.turns] == [
-                f"# {line}" for st, line in zip(inst.steps, inst.lines) for _ in st.solution]
+            assert [t.command for t in s.turns] == [
+                c for k, st in enumerate(inst.steps) for c in (read_step(k + 1), *st.solution)]
+            assert s.instruction == inst.instruction
             n += 1
     assert n > 30
 

@@ -46,6 +46,21 @@ DIFFICULTIES = ("easy", "medium", "hard", "extreme")
 
 STRICT_SENTENCE = "Do not create any other files."
 
+STEPS_FILE = "steps.txt"
+"""Where a task's steps are: one numbered line each, in /app, read-only. Why a file the agent reads
+one line at a time and not the numbered lines in the instruction: a ~1M-parameter Base copies a
+name from the text just above it almost always, but looking up the n-th line of an instruction
+far above is a skill it did not learn in 4,000 steps (line 1 right 90%, a new line 11-17%; seven
+corpus and model changes left it there, docs/experiments.md "The toy Base's copy skill"). With
+the line printed right before its commands the copying is trained away and what is left to get
+wrong is decisions: which step is next, what to do after an obstacle, when to stop."""
+
+
+def read_step(k: int) -> str:
+    """The command that prints step ``k`` of ``steps.txt`` (what the demonstrator runs)."""
+    return f"sed -n {k}p {STEPS_FILE}"
+
+
 AGENT_TIMEOUT_SEC = {"easy": 60.0, "medium": 90.0, "hard": 120.0, "extreme": 180.0}
 VERIFIER_TIMEOUT_SEC = 30.0
 RUN_CHECKS = Path(__file__).with_name("run_checks.py")  # copied into every task's tests/
@@ -181,17 +196,24 @@ class Instance:
 
     @property
     def instruction(self) -> str:
-        """The steps as numbered lines ("1. Copy cat.txt to dog.txt."), then the strict
-        sentence if any: a numbered line is what the demonstrator restates before each command
-        (toy_envs/corpus.py NOTE), and its number is where "this step again" and "the next
-        step" part (a decision), not a name."""
-        lines = [line for line in self.lines] + ([STRICT_SENTENCE] if self.strict else [])
+        """What the agent is told: how many steps ``steps.txt`` holds and how to print one,
+        then the strict sentence if any. The steps themselves (their names) are only in
+        ``steps.txt``: the agent prints step k (``read_step(k)``) right before it does it, so
+        every name it types is a copy of the line just above (see ``STEPS_FILE``)."""
+        n = len(self.steps)
+        lines = [f"Do the {n} numbered step{'s' if n > 1 else ''} in {STEPS_FILE}, in order "
+                 f"({read_step(1)} prints step 1)."] + ([STRICT_SENTENCE] if self.strict else [])
         return "\n".join(lines) + "\n"
 
     @property
     def lines(self) -> list[str]:
-        """The numbered instruction line of each step."""
+        """The numbered line of each step ("2. Copy cat.txt to dog.txt."): ``steps.txt``."""
         return [f"{i + 1}. {s.sentence}" for i, s in enumerate(self.steps)]
+
+    @property
+    def steps_text(self) -> str:
+        """The content of ``steps.txt``: ``lines``, one a line."""
+        return "\n".join(self.lines) + "\n"
 
     @property
     def commands(self) -> list[Cmd]:
@@ -211,7 +233,9 @@ class Instance:
         return lines
 
     def files(self) -> dict[str, File]:
-        out: dict[str, File] = dict(self.family.files)
+        """The files in /app when the agent starts: the family's, the steps', and ``steps.txt``."""
+        out: dict[str, File] = {STEPS_FILE: File(self.steps_text.encode(), 0o444)}
+        out.update(self.family.files)
         for s in self.steps:
             out.update(s.files)
         return out

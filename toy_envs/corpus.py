@@ -3,9 +3,11 @@
 A session is a training-family task drawn from the same templates as the suites (fresh
 random names, and only keys on the "train" side of ``toy_envs.suites.split_of``, so no
 evaluation instance is ever seen) together with the turns of a *demonstrator*: one command per
-turn and what the shell prints for it (most commands print nothing; ``ls``, ``cat``, ``unzip``,
-``git commit`` and failing commands print what they would: tests/test_toy_envs.py replays
-sessions in the sandbox and compares). The renderer in minirsi/core/actions.py turns a session into
+turn and what the shell prints for it (most commands print nothing; ``sed -n Kp steps.txt``,
+``ls``, ``cat``, ``unzip``, ``git commit`` and failing commands print what they would:
+tests/test_toy_envs.py replays sessions in the sandbox and compares). Before the first command
+of step K the demonstrator prints step K's line from steps.txt, so the names it types are on the
+line just above (toy_envs/base.py ``STEPS_FILE``). The renderer in minirsi/core/actions.py turns a session into
 chat text and appends the final ``TASK_COMPLETE`` reply; this module never renders text.
 
 The demonstrator is right about names and commands, and imperfect about decisions, at the rates
@@ -18,7 +20,8 @@ defect          what happens                                                solv
   recover         the fix, and the command again                            yes
   move_on         the next step (the failed command is never redone)        no
   repeat          the same failing command once more, then the next step   no
-stop_early      the last canonical command is left out                      no
+stop_early      the last canonical command is left out (and the last step's
+                line is not printed when that was its only command)       no
 retry           one command first names a missing file, fails with the      yes
                 real error text, and is run right
 ==============  ==========================================================  ==========
@@ -44,10 +47,15 @@ import re
 from dataclasses import dataclass, field
 
 from toy_envs import obstacles
-from toy_envs.base import Cmd, Instance, stable_hash
+from toy_envs.base import Cmd, Instance, read_step, stable_hash
 from toy_envs.families import TRAIN_FAMILIES
 from toy_envs.suites import draw
 from toy_envs.words import FILES
+
+VERSION = 2
+"""Bumped whenever the sessions a seed gives change (2: each step's line printed from steps.txt
+before its commands, no comment lines); part of the pretrain config hash, so a Base cached
+from an older corpus is not reused."""
 
 DIFFICULTY_WEIGHTS = {"easy": 0.4, "medium": 0.3, "hard": 0.2, "extreme": 0.1}
 STRICT_SHARE = 0.3
@@ -57,8 +65,8 @@ STRICT_SHARE = 0.3
 class Turn:
     """One agent turn: the command block, what the shell printed, and the last exit code.
 
-    The demonstrator's block is two lines: a comment restating the instruction sentence it is
-    working on, then the command (``NOTE``)."""
+    The demonstrator's block is one command: ``sed -n Kp steps.txt`` before the first command of
+    step K (its output is the step's numbered line), else a command of the step."""
 
     commands: str
     output: str
@@ -66,7 +74,7 @@ class Turn:
 
     @property
     def command(self) -> str:
-        """The shell command (the block without its comment line)."""
+        """The shell command (the block's last line)."""
         return self.commands.rsplit("\n", 1)[-1]
 
 
@@ -154,7 +162,12 @@ def session_for(inst: Instance, rng: random.Random, look: bool = False, choices:
         plan.pop()
         defects.append("stop_early")
         solved = False
-    turns += [_noted(t, sentence) for _, ts, sentence in plan for t in ts]
+    shown = None  # the step whose line the demonstrator printed last
+    for _, ts, sentence in plan:
+        if sentence != shown:
+            turns.append(_read(sentence))
+            shown = sentence
+        turns += ts
     return Session(inst.instruction, turns, inst.family.name, inst.difficulty, inst.task_id, inst.key,
                    tuple(defects), solved)
 
@@ -163,19 +176,10 @@ def _pick(rng: random.Random, weights: dict[str, float]) -> str:
     return rng.choices(list(weights), list(weights.values()))[0]
 
 
-NOTE = "# {sentence}"
-"""The comment line that opens every block of the demonstrator: the numbered instruction line
-of the step it is on ("# 2. Copy cat.txt to dog.txt."), or LOOK before the first step. Why: a
-tiny model copies a name from the instruction reliably only where an *induction* head can find
-it (the text it just wrote, found earlier in the context, followed by what it needs); the
-command alone ("cp cat.txt dog.txt") matches nothing in the instruction, while the restated line
-matches its line and is followed by the next step's. Measured: docs/experiments.md."""
-
-LOOK = "Look at the files."
-
-
-def _noted(t: Turn, sentence: str) -> Turn:
-    return Turn(NOTE.format(sentence=sentence) + "\n" + t.commands, t.output, t.exit_code)
+def _read(line: str) -> Turn:
+    """Print a step's numbered line ("2. Copy cat.txt to dog.txt.") from steps.txt before its
+    first command (toy_envs/base.py ``STEPS_FILE`` says why)."""
+    return Turn(read_step(int(line.split(".", 1)[0])), line + "\n", 0)
 
 
 def _turn(c: Cmd) -> Turn:
@@ -189,14 +193,14 @@ def _look(inst: Instance, rng: random.Random) -> list[Turn]:
         m = re.search(r"> (\S+)$", line)
         if m and "/" not in m.group(1) and not m.group(1).startswith("."):  # ls hides dot files
             names.add(m.group(1))
-    turns = [_noted(Turn("ls", "".join(f"{x}\n" for x in sorted(names)), 0), LOOK)]
+    turns = [Turn("ls", "".join(f"{x}\n" for x in sorted(names)), 0)]
     if rng.random() < 0.5:
         files = inst.files()
         for c in inst.commands:
             readable = [r for r in c.reads if r in files and not r.endswith((".tar", ".zip"))
                         and not any(r in line for line in inst.setup)]  # set-up may have changed it
             if readable:
-                turns.append(_noted(Turn(f"cat {readable[0]}", files[readable[0]].content.decode(), 0), LOOK))
+                turns.append(Turn(f"cat {readable[0]}", files[readable[0]].content.decode(), 0))
                 break
     return turns
 
@@ -210,7 +214,7 @@ def _retry(inst: Instance, plan: list[tuple[Cmd, list[Turn], str]], rng: random.
     i = rng.choice(reading)
     c, ts, sentence = plan[i]
     path = rng.choice(c.reads)
-    free = [w for w in FILES if not re.search(rf"\b{w}\b", inst.instruction)]
+    free = [w for w in FILES if not re.search(rf"\b{w}\b", inst.steps_text)]
     wrong = _rename(path, rng.choice(free))
     plan[i] = (c, [Turn(_sub(c.text, path, wrong), c.error.format(path=wrong) + "\n", c.error_code), *ts], sentence)
     defects.append("retry")

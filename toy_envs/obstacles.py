@@ -78,9 +78,9 @@ class Obstacle:
 
 
 # Error texts as the sandbox's shell prints them (Debian 12 coreutils, bash, tar, gzip, git).
-# ``bash: line 9:`` is where the sandbox's command driver (minirsi/env/sandbox/shell.py) evals the
-# second line of a block: the demonstrator's command, after its comment line (toy_envs/corpus.py
-# NOTE). tests/test_toy_envs.py checks every text against a real sandbox.
+# ``bash: line 8:`` is where the sandbox's command driver (minirsi/env/sandbox/shell.py) evals the
+# first line of a block: the demonstrator's one command. tests/test_toy_envs.py checks every text
+# against a real sandbox.
 
 
 def missing_dir(d: str, at: int, tool: str, script: str = "", target: str = "") -> Obstacle:
@@ -97,13 +97,13 @@ def missing_dir(d: str, at: int, tool: str, script: str = "", target: str = "") 
 
 def no_exec(script: str, at: int) -> Obstacle:
     """``script`` is mode 0644 and the command runs it as ``./script``."""
-    return Obstacle("no_exec", at, f"bash: line 9: ./{script}: Permission denied", 126, fix=(f"chmod +x {script}",))
+    return Obstacle("no_exec", at, f"bash: line 8: ./{script}: Permission denied", 126, fix=(f"chmod +x {script}",))
 
 
 def read_only(target: str, at: int, tool: str = "redirect") -> Obstacle:
     """``target`` exists with mode 0444 and the command (over)writes it (``tool``: how)."""
     error = {
-        "redirect": f"bash: line 9: {target}: Permission denied",
+        "redirect": f"bash: line 8: {target}: Permission denied",
         "cp": f"cp: cannot create regular file '{target}': Permission denied",
         "tar": f"tar: {target}: Cannot open: Permission denied\ntar: Error is not recoverable: exiting now",
     }[tool]

@@ -8,8 +8,9 @@ training families (never the evaluation instances), rendered into ChatML ids by
 names right and decides wrong at fixed rates (toy_envs/obstacles.py): what keeps Base imperfect
 is its decisions after an error and when to stop, which RSR and RPR can improve.
 
-Past the copy transition. A tiny model learns to copy names from the instruction abruptly (a
-phase transition in the step count); a Base sitting on it swings between runs and machines. So
+Past the copy transition. A tiny model learns to copy names from the step's line the agent
+printed (``sed -n Kp steps.txt``, toy_envs/base.py ``STEPS_FILE``) abruptly (a phase transition in
+the step count); a Base sitting on it swings between runs and machines. So
 the run records, every ``eval_every`` steps, the teacher-forced *name accuracy* on held-out
 sessions (greedy next-token accuracy at the action tokens that are a name from
 toy_envs/words.py, command words excluded) and the step where it first reaches 90%; at the end,
@@ -23,7 +24,7 @@ Loss. Token-weighted cross-entropy over the whole sequence,
     w_t = 1 on action tokens, ``context_weight`` (default 0.1) on prompt and observation tokens,
 
 (t >= 1; padding has w = 0). Why not actions only: the policy must copy file names and words
-from the instruction and the observations into its commands; a small weight on those tokens
+from the observations (the step's line, an error, ``ls``) into its commands; a small weight on those tokens
 gives their embeddings a direct gradient from every session, which a one-million-parameter
 model trained for minutes benefits from. Why not uniform weights: observations (command
 output) and the fixed system prompt are most of the tokens, and the policy never generates
@@ -84,7 +85,7 @@ class PretrainConfig:
     sessions: int = 20000
     """Number of corpus sessions generated (``toy_envs.corpus.sessions(n=...)``); about half a
     pass in the budget, since a corpus seen several times is memorised instead of teaching the
-    model to copy names from the instruction (docs/experiments.md, "Measurements behind the
+    model to copy names from the context (docs/experiments.md, "Measurements behind the
     code's defaults")."""
     val_sessions: int = 256
     """Held-out sessions (another seed) for the action-token loss and the name accuracy."""
@@ -110,7 +111,7 @@ class PretrainConfig:
     lr: float = 6e-3
     """Peak AdamW learning rate; the best of those tried for Base's strict success
     (docs/experiments.md, "Measurements behind the code's defaults"). Copying names from the
-    instruction appears abruptly, so Base varies between runs; check it before a recipe run."""
+    context appears abruptly, so Base varies between runs; check it before a recipe run."""
     min_lr_ratio: float = 0.1
     """The cosine decays to lr * min_lr_ratio."""
     warmup_steps: int = 20
@@ -176,7 +177,7 @@ def name_words() -> frozenset[str]:
 
 def name_positions(tokenizer: Any, ids: Sequence[int], mask: Sequence[int], names: frozenset[str]) -> list[int]:
     """Positions t of action tokens that are a whole name (``Ġcat`` or ``cat``), except a
-    command's first word (``cat`` in ``cat cat.txt``): what copying from the instruction is."""
+    command's first word (``cat`` in ``cat cat.txt``): what copying from the context is."""
     toks = tokenizer.convert_ids_to_tokens(list(ids))
     out = []
     for t in range(1, len(ids)):
@@ -243,9 +244,13 @@ def weighted_loss(
 
 
 def config_hash(cfg: PretrainConfig) -> str:
-    """16 hex digits of the config's JSON: what the recipe's Base cache (and the shipped Base's
-    directory name) is keyed by."""
-    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+    """16 hex digits of the config's JSON and the corpus's version (``toy_envs.corpus.VERSION``,
+    so a Base of an older toy world is never taken for this one): what the recipe's Base cache
+    (and the shipped Base's directory name) is keyed by."""
+    from toy_envs import corpus
+
+    keyed = {**to_dict(cfg), "corpus_version": corpus.VERSION}
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def lr_at(cfg: PretrainConfig, step: int, progress: float) -> float:

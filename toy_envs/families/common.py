@@ -2,8 +2,8 @@
 
 Error texts are what GNU coreutils / bash / git print in the Debian sandbox when an input is
 missing (the corpus uses them for its retry defect; ``{path}`` is the wrong name);
-``bash: line 9:`` is where the sandbox's driver evals the second line of a block, the demonstrator's
-command after its comment line (minirsi/env/sandbox/shell.py, toy_envs/corpus.py).
+``bash: line 8:`` is where the sandbox's driver evals the first line of a block, the demonstrator's
+one command (minirsi/env/sandbox/shell.py, toy_envs/corpus.py).
 tests/test_toy_envs.py replays the corpus in a sandbox and compares every output.
 """
 
@@ -22,13 +22,13 @@ ERR = {
     "sort": ("sort: cannot read: {path}: No such file or directory", 2),
     "head": ("head: cannot open '{path}' for reading: No such file or directory", 1),
     "tail": ("tail: cannot open '{path}' for reading: No such file or directory", 1),
-    "redirect": ("bash: line 9: {path}: No such file or directory", 1),
+    "redirect": ("bash: line 8: {path}: No such file or directory", 1),
     "sed": ("sed: can't read {path}: No such file or directory", 2),
     "chmod": ("chmod: cannot access '{path}': No such file or directory", 1),
     "tar_x": ("tar: {path}: Cannot open: No such file or directory\ntar: Error is not recoverable: exiting now", 2),
     "tar_c": ("tar: {path}: Cannot stat: No such file or directory\ntar: Exiting with failure status due to previous errors", 2),
     "bash": ("bash: {path}: No such file or directory", 127),
-    "exec": ("bash: line 9: ./{path}: No such file or directory", 127),
+    "exec": ("bash: line 8: ./{path}: No such file or directory", 127),
     "gzip": ("gzip: {path}: No such file or directory", 1),
     "unzip": ("unzip:  cannot find or open {path}, {path}.zip or {path}.ZIP.", 9),
     "cut": ("cut: {path}: No such file or directory", 1),
