@@ -148,7 +148,7 @@ _READ_ONLY = {"ls", "cat", "pwd", "head", "tail", "wc", "grep", "find", "stat", 
 
 
 def _bare(command: str) -> str:
-    """The command without its comment lines (the toy demonstrator opens every block with one)."""
+    """The command without its comment lines (an agent may open a block with one)."""
     return "\n".join(x for x in command.splitlines() if not x.lstrip().startswith("#")).strip()
 
 

@@ -60,7 +60,7 @@ def shape(command: str) -> str:
 
 
 def _command(block: str) -> str:
-    """A block without its comment lines (the toy demonstrator opens each with one)."""
+    """A block without its comment lines (an agent may open a block with one)."""
     return "\n".join(line for line in block.strip().splitlines() if not line.lstrip().startswith("#")).strip()
 
 
