@@ -143,6 +143,22 @@ def test_cli_missing_suite_dir_is_a_clear_error(tmp_path, capsys):
     assert "suite 'core'" in capsys.readouterr().err
 
 
+def test_cli_out_must_be_a_json_file_and_the_episodes_go_beside_it(tmp_path, capsys, monkeypatch):
+    import minirsi.engine.models
+
+    monkeypatch.setattr(ev, "load_suites", lambda root, names: {})
+    monkeypatch.setattr(minirsi.engine.models, "load_actor", lambda path: (None, None))
+    seen = {}
+    monkeypatch.setattr(ev, "evaluate", lambda *a, out_dir, **k: seen.setdefault("out_dir", out_dir) and {"core": {}})
+    args = ["--model", str(tmp_path), "--tasks", str(tmp_path), "--suites", "core"]
+    # without .json the episodes' folder and the JSON file would be one path: refused before any work
+    assert ev.cli(args + ["--out", str(tmp_path / "base")]) == 2
+    assert "must name a .json file" in capsys.readouterr().err and "out_dir" not in seen
+    assert ev.cli(args + ["--out", str(tmp_path / "base.json")]) == 0
+    assert seen["out_dir"] == tmp_path / "base"
+    assert (tmp_path / "base.json").is_file()
+
+
 def test_cli_passes_temperature_and_rejects_a_negative_one(tmp_path, capsys, monkeypatch):
     import minirsi.engine.models
 

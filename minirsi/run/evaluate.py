@@ -259,8 +259,14 @@ def cli(argv: Sequence[str] | None = None, command: str = "eval") -> int:
     p.add_argument("--max-turns", type=int, default=None, help="turn limit per episode")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default 1.0, as the recipe evaluates; 0 is greedy)")
-    p.add_argument("--out", default="", help="write the results JSON (and episodes beside it) here")
+    p.add_argument("--out", default="", help="write the results JSON here (a .json file; the episodes go in the folder "
+                                             "of its name without .json)")
     args = p.parse_args(argv)
+    if args.out and Path(args.out).suffix != ".json":
+        # the episodes' folder is the name without its suffix: without one, the JSON could not be written
+        print(f"minirsi {command}: --out {args.out!r} must name a .json file, e.g. --out {args.out.rstrip('/')}.json "
+              "(the episodes then go in the folder beside it)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     from minirsi.engine import rollout
