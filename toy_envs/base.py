@@ -226,6 +226,12 @@ class Instance:
         return [c for s in self.steps for c in s.solution]
 
     @property
+    def clean_run(self) -> list[str]:
+        """The demonstrator's commands when nothing goes wrong: each step's line printed
+        (``read_step``), then the step's ``solution``."""
+        return [c for k, s in enumerate(self.steps, 1) for c in (read_step(k), *s.solution)]
+
+    @property
     def setup(self) -> list[str]:
         lines = list(self.family.setup)
         for s in self.steps:

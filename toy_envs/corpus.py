@@ -134,23 +134,23 @@ def session_for(inst: Instance, rng: random.Random, look: bool = False, choices:
     defects: list[str] = []
     solved = True
     turns = _look(inst, rng) if look else []
-    plan: list[tuple[Cmd, list[Turn], str]] = []  # per canonical command run: its turns, its sentence
-    for step, line in zip(inst.steps, inst.lines):
+    plan: list[tuple[Cmd, list[Turn], int]] = []  # per canonical command run: its turns, its step's number
+    for k, step in enumerate(inst.steps, 1):
         for i, c in enumerate(step.cmds):
             ob = step.obstacle if step.obstacle is not None and step.obstacle.at == i else None
             if ob is None:
-                plan.append((c, [_turn(c)], line))
+                plan.append((c, [_turn(c)], k))
                 continue
             choice = choices.get("obstacle") or _pick(rng, obstacles.DEMONSTRATOR)
             defects.append(f"{ob.kind}:{choice}")
             failed = Turn(c.text, ob.error + "\n", ob.exit_code)
             if choice == "recover":
                 plan.append((c, [failed, *(Turn(f, "", 0) for f in ob.fix), Turn(ob.redo or c.text, c.output, c.exit_code)],
-                             line))
+                             k))
                 continue
             # move_on / repeat: the step is given up; its later commands (which need the failed
             # one: a commit after a refused ``git add``) are not run either
-            plan.append((c, [failed] * (2 if choice == "repeat" else 1), line))
+            plan.append((c, [failed] * (2 if choice == "repeat" else 1), k))
             solved = False
             break
     retry = choices["retry"] if "retry" in choices else rng.random() < obstacles.RETRY
@@ -162,11 +162,11 @@ def session_for(inst: Instance, rng: random.Random, look: bool = False, choices:
         plan.pop()
         defects.append("stop_early")
         solved = False
-    shown = None  # the step whose line the demonstrator printed last
-    for _, ts, sentence in plan:
-        if sentence != shown:
-            turns.append(_read(sentence))
-            shown = sentence
+    shown = 0  # the step whose line the demonstrator printed last
+    for _, ts, k in plan:
+        if k != shown:
+            turns.append(Turn(read_step(k), inst.lines[k - 1] + "\n", 0))
+            shown = k
         turns += ts
     return Session(inst.instruction, turns, inst.family.name, inst.difficulty, inst.task_id, inst.key,
                    tuple(defects), solved)
@@ -174,12 +174,6 @@ def session_for(inst: Instance, rng: random.Random, look: bool = False, choices:
 
 def _pick(rng: random.Random, weights: dict[str, float]) -> str:
     return rng.choices(list(weights), list(weights.values()))[0]
-
-
-def _read(line: str) -> Turn:
-    """Print a step's numbered line ("2. Copy cat.txt to dog.txt.") from steps.txt before its
-    first command (toy_envs/base.py ``STEPS_FILE`` says why)."""
-    return Turn(read_step(int(line.split(".", 1)[0])), line + "\n", 0)
 
 
 def _turn(c: Cmd) -> Turn:
@@ -205,18 +199,18 @@ def _look(inst: Instance, rng: random.Random) -> list[Turn]:
     return turns
 
 
-def _retry(inst: Instance, plan: list[tuple[Cmd, list[Turn], str]], rng: random.Random, defects: list[str]) -> None:
+def _retry(inst: Instance, plan: list[tuple[Cmd, list[Turn], int]], rng: random.Random, defects: list[str]) -> None:
     """A command that reads a file first names one the task never mentions, fails, and is
     run right next (only commands without an obstacle of their own)."""
     reading = [i for i, (c, ts, _) in enumerate(plan) if c.reads and c.error and ts == [_turn(c)]]
     if not reading:
         return
     i = rng.choice(reading)
-    c, ts, sentence = plan[i]
+    c, ts, k = plan[i]
     path = rng.choice(c.reads)
     free = [w for w in FILES if not re.search(rf"\b{w}\b", inst.steps_text)]
     wrong = _rename(path, rng.choice(free))
-    plan[i] = (c, [Turn(_sub(c.text, path, wrong), c.error.format(path=wrong) + "\n", c.error_code), *ts], sentence)
+    plan[i] = (c, [Turn(_sub(c.text, path, wrong), c.error.format(path=wrong) + "\n", c.error_code), *ts], k)
     defects.append("retry")
 
 
