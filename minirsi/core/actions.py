@@ -203,6 +203,11 @@ def read_blocks(commands: Sequence[str], observation: str | None) -> list[tuple[
     return list(zip(commands, outputs, ok[:n] if n else []))
 
 
+def bare_command(block: str) -> str:
+    """A command block without its comment lines (an agent may open a block with one)."""
+    return "\n".join(x for x in block.splitlines() if not x.lstrip().startswith("#")).strip()
+
+
 # --- token ids --------------------------------------------------------------------------------
 
 

@@ -147,14 +147,9 @@ _READ_ONLY = {"ls", "cat", "pwd", "head", "tail", "wc", "grep", "find", "stat", 
               "df", "id", "whoami", "which", "type", "env", "printenv", "date", "diff", "sort", "uniq", "less"}
 
 
-def _bare(command: str) -> str:
-    """The command without its comment lines (an agent may open a block with one)."""
-    return "\n".join(x for x in command.splitlines() if not x.lstrip().startswith("#")).strip()
-
-
 def _read_only(command: str) -> bool:
     """A single inspection command with no redirection, no chaining into anything else."""
-    command = _bare(command)
+    command = actions.bare_command(command)
     if any(c in command for c in (">", ";", "&", "|", "`", "$(", "\n")):
         return False
     words = command.split()
@@ -171,9 +166,9 @@ def clean_transcript(transcript: Sequence[dict[str, Any]], keep_recovered: bool 
     for i in reversed(range(len(blocks))):  # a failure is recovered when the same command succeeds later
         cmd, _, good = blocks[i]
         if good:
-            later_ok.add(_bare(cmd))
+            later_ok.add(actions.bare_command(cmd))
         else:
-            recovered[i] = keep_recovered and _bare(cmd) in later_ok
+            recovered[i] = keep_recovered and actions.bare_command(cmd) in later_ok
     kept: list[Step] = []
     failed_last = False  # whether kept[-1] is a recovered failure
     seen_reads: set[str] = set()

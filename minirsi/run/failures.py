@@ -33,7 +33,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from minirsi.core.actions import read_blocks
+from minirsi.core.actions import bare_command, read_blocks
 from minirsi.core.episode import Episode
 
 CATEGORIES = ("format", "turn_limit", "wrong_name", "obstacle", "stopped_early", "other")
@@ -59,11 +59,6 @@ def shape(command: str) -> str:
     return re.sub(r"[a-z]+", lambda m: "N" if m.group(0) in names else m.group(0), command.strip())
 
 
-def _command(block: str) -> str:
-    """A block without its comment lines (an agent may open a block with one)."""
-    return "\n".join(line for line in block.strip().splitlines() if not line.lstrip().startswith("#")).strip()
-
-
 _LINE = re.compile(r"^bash: line \d+: ", re.MULTILINE)
 
 
@@ -71,7 +66,7 @@ def classify(ep: Episode, meta: Mapping[str, Any] | None) -> str | None:
     """The category of a failed episode (None for a success); ``meta``: its task's toy.json."""
     if ep.success:
         return None
-    ran = [(_command(c), _LINE.sub("bash: ", out, count=0), ok) for turn in ep.transcript
+    ran = [(bare_command(c), _LINE.sub("bash: ", out, count=0), ok) for turn in ep.transcript
            for c, out, ok in read_blocks(turn.get("commands") or [], turn.get("observation"))]
     if not ran or 2 * ep.parse_errors >= max(ep.turns, 1):
         return "format"
