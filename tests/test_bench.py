@@ -102,3 +102,17 @@ def test_groups_bench_counts_every_group_once(tmp_path: Path):
         assert r["mixed"] == r["by_successes"]["1"]
         assert r["success"] == pytest.approx((r["by_successes"]["1"] + 2 * r["by_successes"]["2"]) / 6)
     assert rows[1]["mixed"] == 0  # greedy: a task's two samples are the same episode
+
+
+@pytest.mark.timeout(600)
+def test_toy_cpu_discount_never_pays_a_pool_task_to_stop_at_once(tmp_path: Path):
+    """bench/floor.py: under the toy-cpu preset's gamma_turn and rewards, stopping at once earns
+    less than the right run on every one of the training pool's first 200 tasks (at 0.9 under FDR
+    it earned as much on 41 of them, and RPR-1 learnt to stop: docs/experiments.md, "What doing
+    nothing earns")."""
+    out = tmp_path / "floor.json"
+    _bench("floor.py", "--n", "200", "--json", str(out))
+    got = json.loads(out.read_text())
+    assert got["grid"]["0.9"]["fdr"] > 0  # the measure can see the failure it guards against
+    assert got["preset"] == {"rpr1": 0, "rpr2": 0}, got["preset"]
+    assert all(0 <= r["P0"] < r["C"] for r in got["rows"])  # an untouched sandbox never passes a task
