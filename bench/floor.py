@@ -24,42 +24,43 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from minirsi.config import load_config
-from minirsi.core import fdr, spr
+from minirsi.core.rpr import score
 from minirsi.env.task_cli import run_empty
 from minirsi.env.tasks import load_task
 from minirsi.run.config import RunConfig, resolve_preset
+from minirsi.run.stages import calibrate_scales
 from toy_envs.base import write_task
 from toy_envs.suites import suite_instances
 
 GRID = (0.9, 0.95, 0.97, 0.99, 1.0)
 
 
-def measure(n: int, seed: int, backend: str) -> list[dict]:
+def measure(cfg: RunConfig, n: int, backend: str) -> tuple[list[dict], dict[str, float]]:
     """C, P0 (checks an untouched sandbox passes) and L (the right run's turns) of the first
-    ``n`` training-pool tasks of suite seed ``seed``."""
-    insts = suite_instances("train", n, seed)
+    ``n`` training-pool tasks, and their families' D_f as the run calibrates them."""
+    insts = suite_instances("train", n, cfg.suites.seed)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for inst in insts:
-            task = load_task(write_task(inst, Path(tmp)))
+        tasks = [load_task(write_task(inst, Path(tmp))) for inst in insts]
+        for inst, task in zip(insts, tasks):
             v = run_empty(task, backend=backend)
             if v.error:
                 raise RuntimeError(f"task {inst.task_id}: the verifier of an untouched sandbox failed: {v.error}")
             rows.append({"task": inst.task_id, "family": inst.family.name, "difficulty": inst.difficulty,
                          "C": v.total, "P0": v.passed, "L": len(inst.clean_run)})
-    return rows
+        scales = calibrate_scales(tasks, cfg)
+    return rows, scales
 
 
 def stop_pays(rows: list[dict], scales: dict[str, float], gamma: float, reward: str) -> list[str]:
-    """The tasks where stopping at once earns at least the right run discounted by ``gamma^L``."""
-    def r(success: bool, passed: int, family: str) -> float:
-        if reward == "fdr":
-            return fdr.family_dense_reward(passed, family, scales)
-        return spr.success_prioritized_reward(success, passed, family, scales)
-    return [x["task"] for x in rows
-            if r(False, x["P0"], x["family"]) >= gamma ** x["L"] * r(True, x["C"], x["family"])]
+    """The tasks where stopping at once earns at least the right run discounted by ``gamma^L``
+    (each scored as RPR scores an episode: ``rpr.score``)."""
+    stop = score([SimpleNamespace(success=False, passed=x["P0"], family=x["family"]) for x in rows], reward, scales)
+    right = score([SimpleNamespace(success=True, passed=x["C"], family=x["family"]) for x in rows], reward, scales)
+    return [x["task"] for x, a, b in zip(rows, stop, right) if a >= gamma ** x["L"] * b]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,12 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the rows and the counts here")
     args = ap.parse_args(argv)
     cfg = load_config(RunConfig, resolve_preset(args.preset), [])
-    rows = measure(args.n or cfg.suites.train, cfg.suites.seed, args.backend)
-    counts: dict[str, list[int]] = collections.defaultdict(list)
-    for x in rows:
-        counts[x["family"]].append(x["C"])
-    scales = fdr.calibrate(counts, quantile=cfg.fdr_quantile, fallback=cfg.fdr_fallback)
-
+    rows, scales = measure(cfg, args.n or cfg.suites.train, args.backend)
     groups = collections.defaultdict(list)
     for x in rows:
         groups[(x["family"], x["difficulty"])].append(x)
